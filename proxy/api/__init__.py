@@ -1,0 +1,2 @@
+"""HTTP routes: one folder per endpoint family, each translating its wire format into the
+service's ``TurnRequest`` and back."""

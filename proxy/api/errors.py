@@ -1,0 +1,93 @@
+"""Turning exceptions into wire errors: the one place that does it for the OpenAI-style
+APIs and the session API. Messages are sanitised: no traceback, no token."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from proxy.exceptions import (
+    BadRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ProxyError,
+    ServiceUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(payload: object, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(payload), status=status, content_type="application/json"
+    )
+
+
+def openai_error(exc: ProxyError) -> web.Response:
+    response = json_response(
+        {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}},
+        status=exc.status,
+    )
+    if isinstance(exc, ServiceUnavailableError):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+def validation_message(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"invalid request: {where}: {first['msg']}{more}"
+
+
+def parse_json(model: type[ModelT], body: bytes) -> ModelT:
+    """Validate a JSON body; malformed JSON and wrong shapes become 400s."""
+    if not body:
+        raise BadRequestError("the request body is empty; expected JSON", code="invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            raise BadRequestError(
+                "the request body is not valid JSON", code="invalid_json"
+            ) from None
+        raise BadRequestError(validation_message(exc), code="invalid_request") from None
+
+
+def from_http_exception(exc: web.HTTPException) -> ProxyError:
+    if exc.status == 413:
+        return PayloadTooLargeError("request body is too large", code="body_too_large")
+    if exc.status == 404:
+        return NotFoundError("no such route", code="route_not_found")
+    if exc.status == 405:
+        error: ProxyError = BadRequestError("method not allowed", code="method_not_allowed")
+        error.status = 405
+        return error
+    error = ProxyError(exc.reason or "http error", code="http_error")
+    error.status = exc.status
+    return error
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return openai_error(exc)
+    except ValidationError as exc:
+        return openai_error(BadRequestError(validation_message(exc), code="invalid_request"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return openai_error(from_http_exception(exc))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return openai_error(ProxyError("internal error"))

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API under ``/<trial_id>/v1/``."""

@@ -1,0 +1,120 @@
+"""The session API the trainer uses: register trials, read trajectories, complete, delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.api.errors import json_response, parse_json
+from proxy.appkeys import CONFIG, POOL, SESSIONS
+from proxy.exceptions import BadRequestError
+from proxy.sampling import validate_session_sampling
+from proxy.sessions.model import Session, SessionState
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    trial_id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] | None = None
+    model: str | None = None
+
+
+class CompleteSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float | dict[str, float] | None = None
+
+
+def public_url(request: web.Request) -> str:
+    configured = request.app[CONFIG].public_url
+    if configured:
+        return configured.rstrip("/")
+    return f"{request.scheme}://{request.host}"
+
+
+def base_url(request: web.Request, session: Session) -> str:
+    return f"{public_url(request)}/{session.trial_id}/v1"
+
+
+async def _create(request: web.Request, trial_id: str | None) -> web.Response:
+    raw = await request.read()
+    spec = parse_json(CreateSession, raw) if raw.strip() else CreateSession()
+    if trial_id is not None:
+        if spec.trial_id is not None and spec.trial_id != trial_id:
+            raise BadRequestError(
+                "trial_id in the body differs from the path", code="invalid_request"
+            )
+        spec.trial_id = trial_id
+    session = request.app[SESSIONS].create(
+        spec.trial_id,
+        metadata=spec.metadata,
+        sampling=validate_session_sampling(spec.sampling),
+        model=spec.model,
+    )
+    return json_response(
+        {
+            "trial_id": session.trial_id,
+            "base_url": base_url(request, session),
+            "api_key": session.api_key,
+        },
+        status=201,
+    )
+
+
+async def create_session(request: web.Request) -> web.Response:
+    return await _create(request, None)
+
+
+async def create_named_session(request: web.Request) -> web.Response:
+    return await _create(request, request.match_info["trial_id"])
+
+
+async def get_session(request: web.Request) -> web.Response:
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    return json_response(session.summary(base_url(request, session)))
+
+
+async def get_trajectories(request: web.Request) -> web.Response:
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    return json_response(session.export())
+
+
+async def complete_session(request: web.Request) -> web.Response:
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    raw = await request.read()
+    spec = parse_json(CompleteSession, raw) if raw.strip() else CompleteSession()
+    session.transition(SessionState.COMPLETED)
+    session.reward = spec.reward
+    request.app[POOL].forget_affinity(session.trial_id)
+    return json_response(session.summary(base_url(request, session)))
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    session = request.app[SESSIONS].delete(request.match_info["trial_id"])
+    request.app[POOL].forget_affinity(session.trial_id)
+    return json_response({"trial_id": session.trial_id, "deleted": True})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        raise BadRequestError("limit must be an integer", code="invalid_request") from None
+    if not 1 <= limit <= 1000:
+        raise BadRequestError("limit must be between 1 and 1000", code="invalid_request")
+    sessions, cursor = request.app[SESSIONS].page(limit=limit, after=request.query.get("after"))
+    return json_response(
+        {"sessions": [s.summary(base_url(request, s)) for s in sessions], "next": cursor}
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/sessions", create_session)
+    app.router.add_get("/sessions", list_sessions)
+    app.router.add_post("/sessions/{trial_id}", create_named_session)
+    app.router.add_get("/sessions/{trial_id}", get_session)
+    app.router.add_get("/sessions/{trial_id}/trajectories", get_trajectories)
+    app.router.add_post("/sessions/{trial_id}/complete", complete_session)
+    app.router.add_delete("/sessions/{trial_id}", delete_session)

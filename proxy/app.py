@@ -1,0 +1,63 @@
+"""Building the proxy's aiohttp application."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from proxy.api import sessions
+from proxy.api.errors import error_middleware, json_response
+from proxy.api.openai import routes as openai_routes
+from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
+from proxy.config import ProxyConfig
+from proxy.models import ModelRegistry
+from proxy.service import TurnService
+from proxy.sessions.registry import SessionRegistry
+from relay.endpoint import WorkerSocketConfig, make_worker_socket_handler
+from relay.pool import WorkerPool
+
+__all__ = ["build_app"]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    workers = len(pool.workers)
+    ready = workers > 0
+    return json_response(
+        {"status": "ready" if ready else "no_workers", "workers": workers},
+        status=200 if ready else 503,
+    )
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    pool = WorkerPool(wait_seconds=config.worker_wait_seconds)
+    models = ModelRegistry(config.cache_dir, tool_parser=config.tool_parser)
+    app[CONFIG] = config
+    app[POOL] = pool
+    app[MODELS] = models
+    app[SESSIONS] = SessionRegistry()
+    app[SERVICE] = TurnService(
+        pool,
+        models,
+        global_max_tokens=config.max_tokens,
+        retry_after_seconds=config.retry_after_seconds,
+    )
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get(
+        "/ws/worker",
+        make_worker_socket_handler(
+            pool,
+            WorkerSocketConfig(
+                token=config.worker_token, heartbeat_seconds=config.heartbeat_seconds
+            ),
+            models.admit,
+        ),
+    )
+    sessions.add_routes(app)
+    openai_routes.add_routes(app)
+    return app

@@ -1,0 +1,17 @@
+"""Typed application state."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from proxy.config import ProxyConfig
+from proxy.models import ModelRegistry
+from proxy.service import TurnService
+from proxy.sessions.registry import SessionRegistry
+from relay.pool import WorkerPool
+
+CONFIG = web.AppKey("config", ProxyConfig)
+POOL = web.AppKey("pool", WorkerPool)
+MODELS = web.AppKey("models", ModelRegistry)
+SESSIONS = web.AppKey("sessions", SessionRegistry)
+SERVICE = web.AppKey("service", TurnService)

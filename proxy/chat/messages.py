@@ -1,0 +1,129 @@
+"""The internal message model every agent API translates into, and its canonical hash.
+
+Sessions recognise that a request continues an earlier context by hashing messages, not
+by storing them: a session keeps one 16-byte digest per turn instead of every turn's
+message list. The canonical form keeps what a chat template renders (role, text, tool
+calls with their arguments as canonical JSON, the tool-call id a tool result answers)
+and drops what clients rewrite freely (``null`` vs ``""`` content, whitespace inside
+argument JSON, key order, tool-call ids on assistant messages).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object as text, exactly as the client sees it
+
+
+@dataclass(slots=True, frozen=True)
+class ChatMessage:
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates expect it."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _arguments_object(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def template_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+def _arguments_object(arguments: str) -> Any:
+    """Arguments as an object when they are valid JSON (templates render objects with
+    ``tojson``), else the raw text."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def canonical_arguments(arguments: str) -> str:
+    try:
+        return json.dumps(
+            json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    except ValueError:
+        return arguments
+
+
+def _canonical(message: ChatMessage) -> bytes:
+    parts: list[Any] = [message.role, message.content]
+    if message.role == "assistant":
+        parts.append([[c.name, canonical_arguments(c.arguments)] for c in message.tool_calls])
+    if message.role == "tool":
+        parts.append(message.tool_call_id)
+    return json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _digest(previous: bytes, payload: bytes) -> bytes:
+    h = hashlib.blake2b(previous, digest_size=16)
+    h.update(payload)
+    return h.digest()
+
+
+def root_key(tools: Sequence[Tool]) -> bytes:
+    """The chain's start: the tool set is part of every context (templates render it)."""
+    payload = json.dumps(
+        [[t.name, t.description, t.parameters] for t in tools],
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()
+    return _digest(b"rollout-relay/1", payload)
+
+
+def extend_key(previous: bytes, message: ChatMessage) -> bytes:
+    return _digest(previous, _canonical(message))
+
+
+def prefix_keys(tools: Sequence[Tool], messages: Sequence[ChatMessage]) -> list[bytes]:
+    """``keys[k]`` identifies the context made of the tools and ``messages[:k]``."""
+    keys = [root_key(tools)]
+    for message in messages:
+        keys.append(extend_key(keys[-1], message))
+    return keys

@@ -1,0 +1,83 @@
+"""Errors raised by the proxy. Each maps to one HTTP status; the API layer turns them into
+the caller's error format (OpenAI or Anthropic) in exactly one place per API.
+
+::
+
+    ProxyError                      500 internal_error
+    ├── BadRequestError             400 invalid_request_error
+    │   ├── ContextLengthError      400 prompt + completion exceed the context window
+    │   └── TemplateError           400 the chat template rejected the messages
+    ├── AuthenticationError         401 missing or invalid credential
+    ├── PermissionDeniedError       403 credential of the wrong kind or for another trial
+    ├── NotFoundError               404 unknown trial, model or route
+    ├── ConflictError               409 session completed/deleted, trial id taken
+    ├── PayloadTooLargeError        413 request body over the limit
+    ├── UpstreamError               502 the worker failed the request
+    └── ServiceUnavailableError     503 no worker became available (Retry-After)
+"""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    status = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class BadRequestError(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(BadRequestError):
+    code = "context_length_exceeded"
+
+
+class TemplateError(BadRequestError):
+    code = "template_error"
+
+
+class AuthenticationError(ProxyError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(ProxyError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFoundError(ProxyError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class ConflictError(ProxyError):
+    status = 409
+    error_type = "conflict_error"
+
+
+class PayloadTooLargeError(ProxyError):
+    status = 413
+    error_type = "request_too_large"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    error_type = "upstream_error"
+
+
+class ServiceUnavailableError(ProxyError):
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after

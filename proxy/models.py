@@ -1,0 +1,102 @@
+"""Models the connected workers serve, and their renderers.
+
+Workers ship their tokenizer files in the hello; the proxy stores them under its cache
+directory by content digest and loads a ``ChatRenderer`` from there, so the proxy needs no
+model files or hub access of its own. Two workers announcing the same model name with
+different tokenizer files are a configuration error: the second is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxy.chat.renderer import ChatRenderer
+from proxy.exceptions import NotFoundError, ProxyError
+from relay import protocol
+from relay.endpoint import AdmissionRefused
+
+
+@dataclass(slots=True, frozen=True)
+class ServedModel:
+    name: str
+    digest: str
+    max_model_len: int
+    renderer: ChatRenderer
+
+
+def tokenizer_digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()[:32]
+
+
+class ModelRegistry:
+    def __init__(self, cache_dir: Path, *, tool_parser: str | None = None) -> None:
+        self.cache_dir = cache_dir
+        self.tool_parser = tool_parser
+        self.models: dict[str, ServedModel] = {}
+        self._lock = asyncio.Lock()
+
+    async def admit(self, hello: protocol.Hello) -> None:
+        """Admission hook for the worker socket: load every announced model's renderer."""
+        async with self._lock:
+            for info in hello.models:
+                digest = tokenizer_digest(info.tokenizer_files)
+                known = self.models.get(info.name)
+                if known is not None:
+                    if known.digest != digest:
+                        raise AdmissionRefused(
+                            f"model {info.name!r} is already served with other tokenizer files"
+                        )
+                    continue
+                try:
+                    renderer = await asyncio.to_thread(self._load, digest, info.tokenizer_files)
+                except ProxyError as exc:
+                    raise AdmissionRefused(f"model {info.name!r}: {exc.message}") from None
+                except (OSError, ValueError) as exc:
+                    raise AdmissionRefused(
+                        f"model {info.name!r}: cannot load tokenizer: {exc}"
+                    ) from None
+                self.models[info.name] = ServedModel(
+                    info.name, digest, info.max_model_len, renderer
+                )
+
+    def _load(self, digest: str, files: dict[str, bytes]) -> ChatRenderer:
+        target = self.cache_dir / "tokenizers" / digest
+        if not target.is_dir():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+            for name, data in files.items():
+                if "/" in name or name.startswith("."):
+                    raise ValueError(f"invalid tokenizer file name {name!r}")
+                (staging / name).write_bytes(data)
+            try:
+                os.replace(staging, target)
+            except OSError:  # another loader won the race
+                pass
+        return ChatRenderer.from_directory(target, tool_parser=self.tool_parser)
+
+    def resolve(self, requested: str, session_model: str | None, served: set[str]) -> ServedModel:
+        """Map the model name an agent sent to a served model.
+
+        Agents send whatever name they were configured with ("gpt-4o", "claude-..."), so a
+        name that is not served falls back to the session's model, then to the only served
+        model when there is exactly one."""
+        for name in (requested, session_model):
+            if name and name in served and name in self.models:
+                return self.models[name]
+        available = [n for n in served if n in self.models]
+        if len(available) == 1:
+            return self.models[available[0]]
+        if not available:
+            raise NotFoundError("no model is being served", code="model_not_found")
+        raise NotFoundError(
+            f"model {requested!r} is not served; available: {sorted(available)}",
+            code="model_not_found",
+        )

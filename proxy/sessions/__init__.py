@@ -1,0 +1,1 @@
+"""Trial sessions: the tree of contexts each trial's requests build, and their export."""

@@ -1,0 +1,250 @@
+"""A trial's session: a tree of turns.
+
+Every model call is a *turn*: a node holding the context tokens that were added before it
+(mask 0: a full rendering for a branch root; the bridge plus the new messages otherwise)
+and the tokens the model sampled (mask 1) with their logprobs. A node's full prompt is the
+concatenation of its ancestors' tokens and its own context tokens, so a prefix shared by
+many turns is stored once. Every root-to-leaf path is one trajectory.
+
+A request continues the node whose key (the hash of tools + messages up to and including
+the assistant message that node returned) matches a prefix of the request's messages. The
+longest such prefix wins; any node may be continued, not only the latest. A request that
+continues nothing starts a new root.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+from proxy.exceptions import ConflictError
+
+TrialId = NewType("TrialId", str)
+
+
+class SessionState(enum.Enum):
+    ACTIVE = "active"
+    COMPLETED = "completed"
+    DELETED = "deleted"
+
+
+_ALLOWED = {
+    SessionState.ACTIVE: {SessionState.COMPLETED, SessionState.DELETED},
+    SessionState.COMPLETED: {SessionState.DELETED},
+    SessionState.DELETED: set(),
+}
+
+
+@dataclass(slots=True)
+class TurnMeta:
+    """Facts recorded per turn (JSON-serialisable)."""
+
+    api: str
+    model: str
+    requested_model: str
+    worker_id: str
+    finish_reason: str
+    sampling: dict[str, Any]
+    created_at: float
+    queue_seconds: float
+    engine_seconds: float
+    branch_reason: str  # "continued" | "new_session" | "history_rewritten" | ...
+    tool_calls: int = 0
+    malformed_tool_call: str | None = None
+    truncated: bool = False  # the client went away before the reply was complete
+    extra: dict[str, str | int | float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "api": self.api,
+            "model": self.model,
+            "requested_model": self.requested_model,
+            "worker_id": self.worker_id,
+            "finish_reason": self.finish_reason,
+            "sampling": self.sampling,
+            "created_at": self.created_at,
+            "queue_seconds": round(self.queue_seconds, 6),
+            "engine_seconds": round(self.engine_seconds, 6),
+            "branch_reason": self.branch_reason,
+            "tool_calls": self.tool_calls,
+            "malformed_tool_call": self.malformed_tool_call,
+            "truncated": self.truncated,
+            "extra": self.extra,
+        }
+
+
+@dataclass(slots=True, eq=False)
+class TurnNode:
+    index: int
+    parent: int | None
+    context_ids: array[int]  # mask 0
+    completion_ids: array[int]  # mask 1
+    logprobs: array[float]  # one per completion id
+    prompt_len: int  # tokens before completion_ids (ancestors + own context)
+    key: bytes  # identifies the context after this turn's assistant message
+    meta: TurnMeta
+    children: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.prompt_len + len(self.completion_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptPlan:
+    """What a turn will send to the engine, decided before any I/O."""
+
+    parent: int | None
+    context_ids: list[int]  # the tokens this turn adds before sampling (mask 0)
+    prompt_ids: list[int]  # the full prompt
+    request_key: bytes  # key of tools + all request messages
+    branch_reason: str
+
+
+@dataclass(slots=True)
+class Session:
+    trial_id: TrialId
+    api_key: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    state: SessionState = SessionState.ACTIVE
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    completed_at: float | None = None
+    reward: float | dict[str, float] | None = None
+    nodes: list[TurnNode] = field(default_factory=list)
+    by_key: dict[bytes, int] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<Session {self.trial_id} {self.state.value} turns={len(self.nodes)}>"
+
+    # ------------------------------------------------------------------ state
+
+    def transition(self, state: SessionState) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise ConflictError(
+                f"session {self.trial_id} is {self.state.value}", code=f"session_{self.state.value}"
+            )
+        self.state = state
+        self.updated_at = time.time()
+        if state is SessionState.COMPLETED:
+            self.completed_at = self.updated_at
+
+    def require_active(self) -> None:
+        if self.state is not SessionState.ACTIVE:
+            raise ConflictError(
+                f"session {self.trial_id} is {self.state.value}; it accepts no more requests",
+                code=f"session_{self.state.value}",
+            )
+
+    # ------------------------------------------------------------------ tokens
+
+    def path(self, index: int) -> list[TurnNode]:
+        """Nodes from the root down to ``index``."""
+        out: list[TurnNode] = []
+        at: int | None = index
+        while at is not None:
+            node = self.nodes[at]
+            out.append(node)
+            at = node.parent
+        out.reverse()
+        return out
+
+    def context_ids(self, index: int) -> array[int]:
+        """Every token of the context that ends with node ``index``'s completion."""
+        ids: array[int] = array("i")
+        for node in self.path(index):
+            ids.extend(node.context_ids)
+            ids.extend(node.completion_ids)
+        return ids
+
+    def find_continuation(self, keys: Sequence[bytes]) -> tuple[int, int] | None:
+        """The node whose context is the longest proper prefix of the request, as
+        ``(node index, number of request messages it covers)``, or None.
+
+        ``keys[k]`` is the key of the request's first k messages; at least one message
+        must be new, so the whole request is not a candidate."""
+        for k in range(len(keys) - 2, 0, -1):
+            index = self.by_key.get(keys[k])
+            if index is not None:
+                return index, k
+        return None
+
+    def add_turn(self, node: TurnNode) -> None:
+        if node.parent is not None:
+            self.nodes[node.parent].children += 1
+        self.nodes.append(node)
+        self.by_key[node.key] = node.index
+        self.updated_at = time.time()
+
+    # ------------------------------------------------------------------ export
+
+    def leaves(self) -> Iterator[TurnNode]:
+        return (n for n in self.nodes if n.children == 0)
+
+    def trajectory(self, leaf: TurnNode) -> dict[str, Any]:
+        path = self.path(leaf.index)
+        root = path[0]
+        response: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        turns: list[dict[str, Any]] = []
+        for i, node in enumerate(path):
+            if i > 0:
+                response.extend(node.context_ids)
+                mask.extend([0] * len(node.context_ids))
+                logprobs.extend([0.0] * len(node.context_ids))
+            start = len(response)
+            response.extend(node.completion_ids)
+            mask.extend([1] * len(node.completion_ids))
+            logprobs.extend(node.logprobs)
+            turns.append(
+                {
+                    "turn": node.index,
+                    "parent": node.parent,
+                    "prompt_tokens": node.prompt_len,
+                    "completion_tokens": len(node.completion_ids),
+                    "response_start": start,
+                    "response_end": len(response),
+                    **node.meta.as_dict(),
+                }
+            )
+        return {
+            "prompt_ids": root.context_ids.tolist(),
+            "response_ids": response,
+            "response_mask": mask,
+            "response_logprobs": logprobs,
+            "turns": turns,
+        }
+
+    def export(self) -> dict[str, Any]:
+        return {
+            "trial_id": self.trial_id,
+            "status": self.state.value,
+            "reward": self.reward,
+            "trajectories": [self.trajectory(leaf) for leaf in self.leaves()],
+        }
+
+    def summary(self, base_url: str) -> dict[str, Any]:
+        sampled = sum(len(n.completion_ids) for n in self.nodes)
+        context = sum(len(n.context_ids) for n in self.nodes)
+        return {
+            "trial_id": self.trial_id,
+            "status": self.state.value,
+            "base_url": base_url,
+            "model": self.model,
+            "metadata": self.metadata,
+            "sampling": self.sampling,
+            "reward": self.reward,
+            "turns": len(self.nodes),
+            "branches": sum(1 for _ in self.leaves()),
+            "tokens": {"sampled": sampled, "context": context, "stored": sampled + context},
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "completed_at": self.completed_at,
+        }

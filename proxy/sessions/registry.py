@@ -1,0 +1,89 @@
+"""The in-memory registry of sessions."""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from typing import Any
+
+import shortuuid
+
+from proxy.exceptions import BadRequestError, ConflictError, NotFoundError
+from proxy.sessions.model import Session, SessionState, TrialId
+
+_TRIAL_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def validate_trial_id(value: str) -> TrialId:
+    if not 1 <= len(value) <= 128 or not set(value) <= _TRIAL_ID_CHARS or value[0] == ".":
+        raise BadRequestError(
+            "trial_id must be 1-128 characters of letters, digits, '-', '_' or '.'",
+            code="invalid_trial_id",
+        )
+    return TrialId(value)
+
+
+class SessionRegistry:
+    def __init__(self, *, tombstones: int = 100_000) -> None:
+        self._sessions: dict[TrialId, Session] = {}
+        # Deleted trials are remembered (id only) so late agent calls get 409, not 404.
+        self._deleted: OrderedDict[TrialId, None] = OrderedDict()
+        self._tombstones = tombstones
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(
+        self,
+        trial_id: str | None,
+        *,
+        metadata: dict[str, Any],
+        sampling: dict[str, Any],
+        model: str | None,
+    ) -> Session:
+        tid = validate_trial_id(trial_id) if trial_id is not None else TrialId(shortuuid.uuid())
+        if tid in self._sessions or tid in self._deleted:
+            raise ConflictError(f"trial {tid} already exists", code="trial_exists")
+        session = Session(
+            trial_id=tid,
+            api_key=f"rr-{secrets.token_urlsafe(24)}",
+            metadata=metadata,
+            sampling=sampling,
+            model=model,
+        )
+        self._sessions[tid] = session
+        return session
+
+    def get(self, trial_id: str) -> Session:
+        session = self._sessions.get(TrialId(trial_id))
+        if session is None:
+            if TrialId(trial_id) in self._deleted:
+                raise ConflictError(f"session {trial_id} was deleted", code="session_deleted")
+            raise NotFoundError(f"unknown trial {trial_id!r}", code="trial_not_found")
+        return session
+
+    def delete(self, trial_id: str) -> Session:
+        session = self.get(trial_id)
+        session.transition(SessionState.DELETED)
+        del self._sessions[session.trial_id]
+        self._deleted[session.trial_id] = None
+        while len(self._deleted) > self._tombstones:
+            self._deleted.popitem(last=False)
+        return session
+
+    def page(self, *, limit: int, after: str | None) -> tuple[list[Session], str | None]:
+        """Sessions in creation order, ``limit`` at a time; ``after`` is the last id seen."""
+        ordered = sorted(self._sessions.values(), key=lambda s: (s.created_at, s.trial_id))
+        if after is not None:
+            ordered = [
+                s for s in ordered if (s.created_at, s.trial_id) > self._position(after, ordered)
+            ]
+        page = ordered[:limit]
+        cursor = page[-1].trial_id if len(ordered) > limit else None
+        return page, cursor
+
+    def _position(self, after: str, ordered: list[Session]) -> tuple[float, str]:
+        session = self._sessions.get(TrialId(after))
+        if session is None:
+            raise BadRequestError(f"unknown cursor {after!r}", code="invalid_cursor")
+        return (session.created_at, session.trial_id)

@@ -1,0 +1,55 @@
+"""Errors raised by the relay (wire protocol and worker pool).
+
+::
+
+    RelayError
+    ├── ProtocolError              the peer broke the wire protocol
+    │   ├── FrameError             a frame could not be decoded
+    │   ├── VersionMismatchError   the peer speaks another protocol version
+    │   └── IllegalTransitionError a message is not allowed in the current state
+    ├── NoWorkerAvailableError     no worker serving the model became free in time
+    ├── WorkerFailedError          the worker reported an error for a request
+    └── RequestCancelledError      the request was cancelled before it finished
+"""
+
+
+class RelayError(Exception):
+    """Base class of every error raised by ``relay``."""
+
+
+class ProtocolError(RelayError):
+    """The peer broke the wire protocol."""
+
+
+class FrameError(ProtocolError):
+    """A frame could not be decoded into a known message."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The peer speaks an incompatible protocol version."""
+
+
+class IllegalTransitionError(ProtocolError):
+    """The message is not allowed in the connection's current state."""
+
+
+class NoWorkerAvailableError(RelayError):
+    """No worker serving the requested model became available within the wait bound."""
+
+    def __init__(self, model: str, waited: float) -> None:
+        super().__init__(f"no worker serving model {model!r} became available within {waited:g}s")
+        self.model = model
+        self.waited = waited
+
+
+class WorkerFailedError(RelayError):
+    """The worker reported an error while serving the request."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RequestCancelledError(RelayError):
+    """The request was cancelled before it finished."""

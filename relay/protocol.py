@@ -1,0 +1,303 @@
+"""The proxy⇄worker wire protocol, without I/O.
+
+Workers dial out to the proxy (GPU nodes accept no inbound traffic) and keep one WebSocket
+open. Every WebSocket binary message carries exactly one protocol message, encoded with
+MessagePack (``msgspec``). Token ids travel as packed little-endian ``int32`` arrays and
+logprobs as packed little-endian ``float32`` arrays: a 4k-token completion is 32 KiB on the
+wire instead of a JSON list of floats.
+
+Conversation::
+
+    worker                         proxy
+      | -- Hello(version, token, models+tokenizer files) -> |
+      | <------------- Welcome | Error ------------------- |
+      | <------------- Generate(request_id, prompt) ------- |
+      | -- Delta(request_id, ids, logprobs) ... ----------> |
+      | -- Done(request_id, finish_reason, tail) ---------> |   (or Error(request_id))
+      | <------------- Cancel(request_id) ----------------- |   (agent went away)
+      | <-> Ping / Pong (either side, liveness) <---------> |
+
+States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
+endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
+state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
+
+PROTOCOL_VERSION = 1
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Pack token ids as little-endian int32."""
+    arr = array("i", ids)
+    if not _LITTLE:  # pragma: no cover - no big-endian CI machine
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise FrameError("packed token ids must be a multiple of 4 bytes")
+    arr = array("i")
+    arr.frombytes(data)
+    if not _LITTLE:  # pragma: no cover
+        arr.byteswap()
+    return arr.tolist()
+
+
+def pack_logprobs(values: Sequence[float]) -> bytes:
+    """Pack logprobs as little-endian float32 (ample for a logprob's precision)."""
+    arr = array("f", values)
+    if not _LITTLE:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise FrameError("packed logprobs must be a multiple of 4 bytes")
+    arr = array("f")
+    arr.frombytes(data)
+    if not _LITTLE:  # pragma: no cover
+        arr.byteswap()
+    return arr.tolist()
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Sampling settings as sent to a worker. ``top_k <= 0`` means off."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """A model a worker serves. ``tokenizer_files`` maps file names (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja, ...) to their bytes so the proxy needs no
+    model files or hub access of its own."""
+
+    name: str
+    max_model_len: int
+    logprobs_mode: str
+    backend: str
+    tokenizer_files: dict[str, bytes]
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    protocol_version: int
+    worker_id: str
+    token: str
+    models: list[ModelInfo]
+    max_concurrency: int = 8
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+    protocol_version: int
+    heartbeat_interval: float
+
+
+class Generate(msgspec.Struct, frozen=True, tag="generate"):
+    request_id: str
+    model: str
+    prompt_ids: bytes
+    sampling: Sampling
+    stream: bool = True
+
+
+class Delta(msgspec.Struct, frozen=True, tag="delta"):
+    request_id: str
+    token_ids: bytes
+    logprobs: bytes
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    """End of a request. May carry the last tokens, so a short reply is one frame."""
+
+    request_id: str
+    finish_reason: str
+    token_ids: bytes = b""
+    logprobs: bytes = b""
+    extra: dict[str, str | int | float] = {}
+
+
+class Error(msgspec.Struct, frozen=True, tag="error"):
+    """An error for one request (``request_id`` set) or for the connection (None)."""
+
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    request_id: str
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    nonce: int
+
+
+class Pong(msgspec.Struct, frozen=True, tag="pong"):
+    nonce: int
+
+
+WorkerMessage = Hello | Delta | Done | Error | Ping | Pong
+ProxyMessage = Welcome | Generate | Cancel | Error | Ping | Pong
+Message = Hello | Welcome | Generate | Delta | Done | Error | Cancel | Ping | Pong
+
+_encoder = msgspec.msgpack.Encoder()
+_worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
+_proxy_decoder: msgspec.msgpack.Decoder[ProxyMessage] = msgspec.msgpack.Decoder(ProxyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_worker_message(data: bytes) -> WorkerMessage:
+    """Decode a frame sent by a worker."""
+    try:
+        return _worker_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"undecodable worker frame: {exc}") from None
+
+
+def decode_proxy_message(data: bytes) -> ProxyMessage:
+    """Decode a frame sent by the proxy."""
+    try:
+        return _proxy_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"undecodable proxy frame: {exc}") from None
+
+
+# --------------------------------------------------------------------------- state
+
+
+class ConnectionState(enum.Enum):
+    AWAITING_HELLO = "awaiting_hello"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class _Endpoint:
+    def __init__(self) -> None:
+        self.state = ConnectionState.AWAITING_HELLO
+        self.in_flight: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.state.value} in_flight={len(self.in_flight)}>"
+
+    def _require(self, state: ConnectionState, what: str) -> None:
+        if self.state is not state:
+            raise IllegalTransitionError(f"{what} is not allowed in state {self.state.value}")
+
+    def close(self) -> set[str]:
+        """Mark the connection closed; returns the requests that were still in flight."""
+        self.state = ConnectionState.CLOSED
+        lost, self.in_flight = self.in_flight, set()
+        return lost
+
+
+class ProxyEndpoint(_Endpoint):
+    """The proxy's side of one worker connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Requests cancelled by the proxy whose Done/Error has not arrived yet: their late
+        # deltas are legal and dropped.
+        self.cancelled: set[str] = set()
+
+    def receive(self, data: bytes) -> WorkerMessage:
+        """Decode and check a frame from the worker."""
+        message = decode_worker_message(data)
+        if isinstance(message, Hello):
+            self._require(ConnectionState.AWAITING_HELLO, "hello")
+            if message.protocol_version != PROTOCOL_VERSION:
+                raise VersionMismatchError(
+                    f"worker speaks protocol {message.protocol_version}, "
+                    f"proxy speaks {PROTOCOL_VERSION}"
+                )
+            return message
+        self._require(ConnectionState.OPEN, type(message).__name__.lower())
+        if isinstance(message, Delta | Done) or (
+            isinstance(message, Error) and message.request_id is not None
+        ):
+            request_id = message.request_id
+            assert request_id is not None
+            if request_id not in self.in_flight and request_id not in self.cancelled:
+                raise IllegalTransitionError(f"message for unknown request {request_id!r}")
+            if not isinstance(message, Delta):
+                self.in_flight.discard(request_id)
+                self.cancelled.discard(request_id)
+        return message
+
+    def accept(self, heartbeat_interval: float) -> bytes:
+        self._require(ConnectionState.AWAITING_HELLO, "welcome")
+        self.state = ConnectionState.OPEN
+        return encode(Welcome(PROTOCOL_VERSION, heartbeat_interval))
+
+    def generate(self, message: Generate) -> bytes:
+        self._require(ConnectionState.OPEN, "generate")
+        if message.request_id in self.in_flight:
+            raise IllegalTransitionError(f"request {message.request_id!r} is already in flight")
+        self.in_flight.add(message.request_id)
+        return encode(message)
+
+    def cancel(self, request_id: str) -> bytes | None:
+        """Cancel a request in flight; None when it already finished."""
+        self._require(ConnectionState.OPEN, "cancel")
+        if request_id not in self.in_flight:
+            return None
+        self.in_flight.discard(request_id)
+        self.cancelled.add(request_id)
+        return encode(Cancel(request_id))
+
+
+class WorkerEndpoint(_Endpoint):
+    """The worker's side of its connection to the proxy."""
+
+    def hello(self, message: Hello) -> bytes:
+        self._require(ConnectionState.AWAITING_HELLO, "hello")
+        return encode(message)
+
+    def receive(self, data: bytes) -> ProxyMessage:
+        message = decode_proxy_message(data)
+        if isinstance(message, Welcome):
+            self._require(ConnectionState.AWAITING_HELLO, "welcome")
+            if message.protocol_version != PROTOCOL_VERSION:
+                raise VersionMismatchError(
+                    f"proxy speaks protocol {message.protocol_version}, "
+                    f"worker speaks {PROTOCOL_VERSION}"
+                )
+            self.state = ConnectionState.OPEN
+            return message
+        if isinstance(message, Error) and self.state is ConnectionState.AWAITING_HELLO:
+            return message  # the proxy refused us; caller closes
+        self._require(ConnectionState.OPEN, type(message).__name__.lower())
+        if isinstance(message, Generate):
+            if message.request_id in self.in_flight:
+                raise IllegalTransitionError(f"request {message.request_id!r} already running")
+            self.in_flight.add(message.request_id)
+        return message
+
+    def finish(self, message: Done | Error) -> bytes:
+        """Encode the final message of a request and forget it."""
+        if message.request_id is not None:
+            self.in_flight.discard(message.request_id)
+        return encode(message)

@@ -1,0 +1,249 @@
+"""The worker process's connection to the proxy.
+
+The worker dials OUT (GPU nodes take no inbound traffic), announces its models together
+with their tokenizer files, then serves generate requests concurrently, streaming token
+deltas back as the engine produces them. When the connection drops it aborts what was
+running (the proxy re-dispatches those requests elsewhere) and reconnects with jittered
+exponential backoff. A refusal (bad token, protocol version) is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import shortuuid
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from relay import protocol
+from relay.exceptions import ProtocolError
+from worker_client.engine import Engine, SamplingParams
+from worker_client.exceptions import ConnectionRefusedByProxy, EngineError, PromptTooLongError
+
+log = logging.getLogger(__name__)
+
+# Files a tokenizer (and its chat template) may consist of. Weights are never shipped.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def collect_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """Read the tokenizer-related files of a Hugging Face model directory."""
+    root = Path(model_dir)
+    files = {
+        name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()
+    }
+    if (
+        "tokenizer.json" not in files
+        and "tokenizer.model" not in files
+        and "vocab.json" not in files
+    ):
+        raise EngineError(f"no tokenizer files found in {root}")
+    return files
+
+
+def backoff_delay(
+    attempt: int, *, base: float = 0.5, cap: float = 30.0, rng: random.Random
+) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
+    return rng.uniform(0.0, min(cap, base * (2 ** min(attempt, 30))))
+
+
+@dataclass(slots=True)
+class ServedModel:
+    engine: Engine
+    tokenizer_dir: Path
+
+
+class WorkerClient:
+    """Connects one worker process (with one or more engines) to a proxy."""
+
+    def __init__(
+        self,
+        proxy_url: str,
+        models: Mapping[str, ServedModel],
+        *,
+        token: str = "",
+        worker_id: str | None = None,
+        max_concurrency: int = 8,
+        max_frame_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        if not models:
+            raise ValueError("a worker needs at least one model")
+        self.proxy_url = proxy_url
+        self.models = dict(models)
+        self.token = token
+        self.worker_id = worker_id or f"{socket.gethostname()}-{shortuuid.uuid()[:8]}"
+        self.max_concurrency = max_concurrency
+        self.max_frame_bytes = max_frame_bytes
+        self.connected = asyncio.Event()
+        self._rng = random.Random()
+        self._request_models: dict[str, ServedModel] = {}
+        self._hello_models = [
+            protocol.ModelInfo(
+                name=name,
+                max_model_len=served.engine.card.max_model_len,
+                logprobs_mode=served.engine.card.logprobs_mode.value,
+                backend=served.engine.card.backend,
+                tokenizer_files=collect_tokenizer_files(served.tokenizer_dir),
+            )
+            for name, served in self.models.items()
+        ]
+
+    def __repr__(self) -> str:
+        state = "connected" if self.connected.is_set() else "disconnected"
+        return f"<WorkerClient {self.worker_id} {state} {self.proxy_url}>"
+
+    async def run(self, *, max_attempts: int | None = None) -> None:
+        """Connect and serve until cancelled; reconnect after every drop."""
+        attempt = 0
+        while True:
+            try:
+                async with connect(
+                    self.proxy_url,
+                    max_size=self.max_frame_bytes,
+                    ping_interval=20,
+                    ping_timeout=20,
+                    open_timeout=10,
+                    compression=None,
+                ) as ws:
+                    attempt = 0
+                    await self._serve(ws)
+            except ConnectionRefusedByProxy:
+                raise
+            except (OSError, websockets.exceptions.WebSocketException, TimeoutError) as exc:
+                log.warning("worker %s: connection to proxy lost: %s", self.worker_id, exc)
+            finally:
+                self.connected.clear()
+            attempt += 1
+            if max_attempts is not None and attempt >= max_attempts:
+                raise ConnectionError(f"could not reach the proxy at {self.proxy_url}")
+            await asyncio.sleep(backoff_delay(attempt, rng=self._rng))
+
+    async def _serve(self, ws: ClientConnection) -> None:
+        endpoint = protocol.WorkerEndpoint()
+        hello = protocol.Hello(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            worker_id=self.worker_id,
+            token=self.token,
+            models=self._hello_models,
+            max_concurrency=self.max_concurrency,
+        )
+        await ws.send(endpoint.hello(hello))
+        first = endpoint.receive(_as_bytes(await ws.recv()))
+        if isinstance(first, protocol.Error):
+            raise ConnectionRefusedByProxy(f"{first.code}: {first.message}")
+        self.connected.set()
+        log.info("worker %s connected to %s", self.worker_id, self.proxy_url)
+        running: dict[str, asyncio.Task[None]] = {}
+        try:
+            async for data in ws:
+                try:
+                    message = endpoint.receive(_as_bytes(data))
+                except ProtocolError as exc:
+                    log.error("worker %s: protocol error from proxy: %s", self.worker_id, exc)
+                    return
+                if isinstance(message, protocol.Generate):
+                    rid = message.request_id
+                    task = asyncio.create_task(self._run_request(ws, endpoint, message))
+                    running[rid] = task
+                    task.add_done_callback(functools.partial(_forget, running, rid))
+                elif isinstance(message, protocol.Cancel):
+                    served = self._request_models.get(message.request_id)
+                    if served is not None:
+                        await served.engine.abort(message.request_id)
+                elif isinstance(message, protocol.Ping):
+                    await ws.send(protocol.encode(protocol.Pong(message.nonce)))
+                elif isinstance(message, protocol.Error):
+                    log.warning("proxy reported: %s: %s", message.code, message.message)
+        finally:
+            for task in list(running.values()):
+                task.cancel()
+            for task in list(running.values()):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _run_request(
+        self, ws: ClientConnection, endpoint: protocol.WorkerEndpoint, message: protocol.Generate
+    ) -> None:
+        rid = message.request_id
+        served = self.models.get(message.model)
+        if served is None:
+            await ws.send(
+                endpoint.finish(protocol.Error("unknown_model", f"model {message.model!r}", rid))
+            )
+            return
+        s = message.sampling
+        sampling = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+        )
+        prompt = protocol.unpack_ids(message.prompt_ids)
+        self._request_models[rid] = served
+        try:
+            stream = served.engine.generate(rid, prompt, sampling)
+            async for chunk in stream:
+                if chunk.finish_reason is None:
+                    await ws.send(
+                        protocol.encode(
+                            protocol.Delta(
+                                rid,
+                                protocol.pack_ids(chunk.token_ids),
+                                protocol.pack_logprobs(chunk.logprobs),
+                            )
+                        )
+                    )
+                    continue
+                done = protocol.Done(
+                    rid,
+                    chunk.finish_reason.value,
+                    protocol.pack_ids(chunk.token_ids),
+                    protocol.pack_logprobs(chunk.logprobs),
+                    dict(chunk.extra),
+                )
+                await ws.send(endpoint.finish(done))
+                return
+            raise EngineError("engine stream ended without a finish reason")
+        except asyncio.CancelledError:
+            await served.engine.abort(rid)
+            raise
+        except PromptTooLongError as exc:
+            await ws.send(endpoint.finish(protocol.Error("prompt_too_long", str(exc), rid)))
+        except EngineError as exc:
+            log.exception("engine failed on %s", rid)
+            await ws.send(endpoint.finish(protocol.Error("engine_error", str(exc), rid)))
+        finally:
+            self._request_models.pop(rid, None)
+
+
+def _forget(running: dict[str, asyncio.Task[None]], rid: str, _task: object) -> None:
+    running.pop(rid, None)
+
+
+def _as_bytes(data: str | bytes) -> bytes:
+    if isinstance(data, str):
+        raise ProtocolError("expected a binary frame")
+    return data

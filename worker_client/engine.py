@@ -1,0 +1,93 @@
+"""The engine interface every backend implements.
+
+An engine is token-in/token-out: it never sees messages or chat templates (the proxy owns
+those). It receives prompt token ids and sampling settings and yields the sampled token ids
+with their log-probabilities, as they are produced.
+
+Logprob semantics (``LogprobsMode``):
+
+* ``RAW``: ``log_softmax`` of the model's unmodified logits at each position. This is the
+  distribution a trainer re-computes when it teacher-forces the policy, so it is the default.
+* ``PROCESSED``: ``log_softmax`` after temperature, top-k and top-p were applied, i.e. the
+  distribution the token was actually drawn from.
+
+At temperature 1.0 with top-p 1.0 and top-k off, both are identical.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended."""
+
+    STOP = "stop"  # a stop token was sampled (it is included in the output)
+    LENGTH = "length"  # max_tokens or the model's context window was reached
+    ABORT = "abort"  # aborted by the caller
+
+
+class LogprobsMode(enum.StrEnum):
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Sampling settings for one generation.
+
+    ``top_k <= 0`` disables top-k. ``stop_token_ids`` end the generation when sampled;
+    the stop token is part of the output (a trainer must learn to emit it).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens sampled since the previous chunk. The last chunk carries ``finish_reason``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    # Backend-specific facts worth recording per turn (e.g. the policy version).
+    extra: dict[str, str | int | float] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCard:
+    """What a worker announces about a model it serves."""
+
+    name: str
+    max_model_len: int
+    logprobs_mode: LogprobsMode
+    backend: str
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A token-in/token-out generation backend."""
+
+    @property
+    def card(self) -> ModelCard: ...
+
+    def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
+        """Stream the sampled tokens of one request. Must end with a chunk that has a
+        ``finish_reason``. Raises ``EngineError`` subclasses on failure."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends with ``FinishReason.ABORT``."""
+        ...
+
+    async def close(self) -> None: ...
