@@ -64,12 +64,19 @@ class TurnService:
         self.global_max_tokens = global_max_tokens
         self.retry_after_seconds = retry_after_seconds
 
-    def _served(self, session: Session, requested: str) -> ServedModel:
-        return self.models.resolve(requested, session.model, set(self.pool.served_models()))
+    async def _served(self, session: Session, requested: str) -> ServedModel:
+        served = await self.pool.wait_for_models()
+        if not served:
+            raise ServiceUnavailableError(
+                f"no worker connected within {self.pool.wait_seconds:g}s",
+                retry_after=self.retry_after_seconds,
+                code="no_worker",
+            )
+        return self.models.resolve(requested, session.model, set(served))
 
     async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
         session.require_active()
-        served = self._served(session, request.requested_model)
+        served = await self._served(session, request.requested_model)
         renderer = served.renderer
         if _large(request.messages):
             plan = await asyncio.to_thread(

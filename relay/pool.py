@@ -246,6 +246,18 @@ class WorkerPool:
         async with self._changed:
             self._changed.notify_all()
 
+    async def wait_for_models(self) -> dict[str, protocol.ModelInfo]:
+        """The served models, waiting up to ``wait_seconds`` for a first worker."""
+        deadline = time.monotonic() + self.wait_seconds
+        while not self.workers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+        return self.served_models()
+
     # ------------------------------------------------------------------ requests
 
     async def start(

@@ -1,0 +1,134 @@
+"""Session trees: continuation lookup, state rules and the trajectory export."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from proxy.chat.messages import ChatMessage, ToolCall, extend_key, prefix_keys
+from proxy.exceptions import ConflictError
+from proxy.sessions.model import Session, SessionState, TrialId, TurnMeta, TurnNode
+
+
+def _meta(reason: str = "continued") -> TurnMeta:
+    return TurnMeta(
+        api="test",
+        model="m",
+        requested_model="m",
+        worker_id="w",
+        finish_reason="stop",
+        sampling={},
+        created_at=0.0,
+        queue_seconds=0.0,
+        engine_seconds=0.0,
+        branch_reason=reason,
+    )
+
+
+def _add(
+    session: Session,
+    parent: int | None,
+    context: list[int],
+    completion: list[int],
+    key: bytes,
+) -> TurnNode:
+    prompt_len = len(context) + (session.nodes[parent].end if parent is not None else 0)
+    node = TurnNode(
+        index=len(session.nodes),
+        parent=parent,
+        context_ids=array("i", context),
+        completion_ids=array("i", completion),
+        logprobs=array("f", [-0.5] * len(completion)),
+        prompt_len=prompt_len,
+        key=key,
+        meta=_meta(),
+    )
+    session.add_turn(node)
+    return node
+
+
+def test_export_masks_context_and_sampled_tokens() -> None:
+    """A two-turn path exports prompt, response, mask and logprobs aligned."""
+    s = Session(TrialId("t"), "k")
+    _add(s, None, [1, 2, 3], [10, 11], b"a")
+    _add(s, 0, [4, 5], [12], b"b")
+    (traj,) = s.export()["trajectories"]
+    assert traj["prompt_ids"] == [1, 2, 3]
+    assert traj["response_ids"] == [10, 11, 4, 5, 12]
+    assert traj["response_mask"] == [1, 1, 0, 0, 1]
+    assert traj["response_logprobs"] == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert [t["turn"] for t in traj["turns"]] == [0, 1]
+
+
+def test_branches_share_prefix_and_export_one_trajectory_per_leaf() -> None:
+    """Continuing an older node makes a second leaf; the shared prefix is stored once."""
+    s = Session(TrialId("t"), "k")
+    _add(s, None, [1, 2], [10], b"a")
+    _add(s, 0, [3], [11], b"b")
+    _add(s, 0, [4], [12], b"c")  # resumed from the older point
+    export = s.export()
+    assert len(export["trajectories"]) == 2
+    assert [t["response_ids"] for t in export["trajectories"]] == [[10, 3, 11], [10, 4, 12]]
+    assert s.context_ids(2).tolist() == [1, 2, 10, 4, 12]
+
+
+def test_find_continuation_prefers_longest_prefix() -> None:
+    """The node covering the most request messages wins, and the last message must be new."""
+    msgs = [
+        ChatMessage("user", "hi"),
+        ChatMessage("assistant", "a1"),
+        ChatMessage("user", "more"),
+        ChatMessage("assistant", "a2", (ToolCall("x", "f", '{"b": 1, "a": 2}'),)),
+        ChatMessage("tool", "out", tool_call_id="x"),
+    ]
+    keys = prefix_keys([], msgs)
+    s = Session(TrialId("t"), "k")
+    _add(s, None, [1], [2], keys[2])
+    _add(s, 0, [3], [4], keys[4])
+    assert s.find_continuation(keys) == (1, 4)
+    assert s.find_continuation(keys[:5]) == (0, 2)  # request ending at the 2nd assistant msg
+    assert s.find_continuation(prefix_keys([], [ChatMessage("user", "other")])) is None
+
+
+def test_canonical_keys_ignore_client_rewrites() -> None:
+    """Argument whitespace/key order and tool-call ids do not change an assistant key."""
+    a = ChatMessage("assistant", "", (ToolCall("id1", "f", '{"a": 1, "b": [1, 2]}'),))
+    b = ChatMessage("assistant", "", (ToolCall("other", "f", '{"b":[1,2],"a":1}'),))
+    assert extend_key(b"r", a) == extend_key(b"r", b)
+    c = ChatMessage("assistant", "x", (ToolCall("id1", "f", '{"a": 1, "b": [1, 2]}'),))
+    assert extend_key(b"r", a) != extend_key(b"r", c)
+
+
+def test_tools_are_part_of_the_key() -> None:
+    """Changing the tool set changes every prefix key."""
+    from proxy.chat.messages import Tool
+
+    msgs = [ChatMessage("user", "hi")]
+    assert prefix_keys([], msgs)[1] != prefix_keys([Tool("f")], msgs)[1]
+
+
+def test_state_transitions() -> None:
+    """Active → completed → deleted; nothing goes back, and inactive sessions refuse turns."""
+    s = Session(TrialId("t"), "k")
+    s.require_active()
+    s.transition(SessionState.COMPLETED)
+    assert s.completed_at is not None
+    with pytest.raises(ConflictError):
+        s.require_active()
+    with pytest.raises(ConflictError):
+        s.transition(SessionState.ACTIVE)
+    s.transition(SessionState.DELETED)
+    with pytest.raises(ConflictError):
+        s.transition(SessionState.COMPLETED)
+
+
+def test_summary_counts_tokens() -> None:
+    """The summary reports turns, branches and token counts."""
+    s = Session(TrialId("t"), "k")
+    _add(s, None, [1, 2], [10], b"a")
+    _add(s, 0, [3], [11, 12], b"b")
+    summary = s.summary("http://x/t/v1")
+    assert summary["turns"] == 2
+    assert summary["branches"] == 1
+    assert summary["tokens"] == {"sampled": 3, "context": 3, "stored": 6}

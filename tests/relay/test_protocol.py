@@ -1,0 +1,187 @@
+"""The wire protocol without sockets: bytes in, messages and state out."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from relay import protocol
+from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
+
+
+def _hello(version: int = protocol.PROTOCOL_VERSION) -> protocol.Hello:
+    return protocol.Hello(
+        protocol_version=version,
+        worker_id="w1",
+        token="secret",
+        models=[
+            protocol.ModelInfo("tiny", 65536, "raw", "hf", {"tokenizer.json": b"{}"}),
+        ],
+    )
+
+
+def _open_pair() -> tuple[protocol.ProxyEndpoint, protocol.WorkerEndpoint]:
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    hello = proxy.receive(worker.hello(_hello()))
+    assert isinstance(hello, protocol.Hello)
+    worker.receive(proxy.accept(10.0))
+    return proxy, worker
+
+
+def test_ids_and_logprobs_pack_compactly_and_round_trip() -> None:
+    """Token ids and logprobs travel as 4-byte packed arrays and decode unchanged."""
+    ids = [0, 1, 151_643, 2**31 - 1]
+    assert protocol.unpack_ids(protocol.pack_ids(ids)) == ids
+    assert len(protocol.pack_ids(ids)) == 16
+    lps = [-0.0, -1.5, -12.345678, -1e-7]
+    back = protocol.unpack_logprobs(protocol.pack_logprobs(lps))
+    assert all(
+        math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) for a, b in zip(lps, back, strict=True)
+    )
+
+
+def test_every_message_round_trips() -> None:
+    """Each message type encodes and decodes to an equal message on the right side."""
+    sampling = protocol.Sampling(
+        max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=4, stop_token_ids=[2]
+    )
+    for message in [
+        protocol.Generate("r1", "tiny", protocol.pack_ids([1, 2]), sampling),
+        protocol.Cancel("r1"),
+        protocol.Welcome(1, 5.0),
+        protocol.Ping(7),
+    ]:
+        assert protocol.decode_proxy_message(protocol.encode(message)) == message
+    for wmessage in [
+        _hello(),
+        protocol.Delta("r1", protocol.pack_ids([3]), protocol.pack_logprobs([-0.5])),
+        protocol.Done("r1", "stop", b"", b"", {"policy_version": 3}),
+        protocol.Error("engine_error", "boom", "r1"),
+        protocol.Pong(7),
+    ]:
+        assert protocol.decode_worker_message(protocol.encode(wmessage)) == wmessage
+
+
+def test_generate_frame_is_binary_not_json_lists() -> None:
+    """A 1000-token prompt costs about 4 bytes a token on the wire."""
+    ids = list(range(1000))
+    frame = protocol.encode(
+        protocol.Generate("r", "m", protocol.pack_ids(ids), protocol.Sampling(max_tokens=1))
+    )
+    assert 4000 <= len(frame) < 4200
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        b"not msgpack at all",
+        msgspec.msgpack.encode({"type": "nope"}),
+        msgspec.msgpack.encode([1, 2]),
+    ],
+)
+def test_garbage_frames_raise_frame_error(frame: bytes) -> None:
+    """Undecodable or unknown frames raise FrameError on both sides."""
+    with pytest.raises(FrameError):
+        protocol.decode_worker_message(frame)
+    with pytest.raises(FrameError):
+        protocol.decode_proxy_message(frame)
+
+
+def test_odd_length_packed_arrays_are_rejected() -> None:
+    """A packed array whose length is not a multiple of 4 is a frame error."""
+    with pytest.raises(FrameError):
+        protocol.unpack_ids(b"\x01\x02\x03")
+    with pytest.raises(FrameError):
+        protocol.unpack_logprobs(b"\x01")
+
+
+def test_version_mismatch_is_refused() -> None:
+    """A hello with another protocol version raises VersionMismatchError."""
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    with pytest.raises(VersionMismatchError):
+        proxy.receive(worker.hello(_hello(version=protocol.PROTOCOL_VERSION + 1)))
+    assert proxy.state is protocol.ConnectionState.AWAITING_HELLO
+
+
+def test_worker_rejects_welcome_of_other_version() -> None:
+    """The worker refuses a proxy that speaks another version."""
+    worker = protocol.WorkerEndpoint()
+    worker.hello(_hello())
+    with pytest.raises(VersionMismatchError):
+        worker.receive(protocol.encode(protocol.Welcome(protocol.PROTOCOL_VERSION + 1, 1.0)))
+
+
+def test_messages_before_hello_are_illegal() -> None:
+    """Only a hello may open a connection."""
+    proxy = protocol.ProxyEndpoint()
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(protocol.encode(protocol.Done("r", "stop")))
+    with pytest.raises(IllegalTransitionError):
+        proxy.generate(protocol.Generate("r", "m", b"", protocol.Sampling(max_tokens=1)))
+
+
+def test_second_hello_is_illegal() -> None:
+    """A hello after the connection opened is a protocol error."""
+    proxy, _worker = _open_pair()
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(protocol.encode(_hello()))
+
+
+def test_request_lifecycle_and_unknown_request() -> None:
+    """Deltas are legal only for requests in flight; Done ends the request."""
+    proxy, worker = _open_pair()
+    frame = proxy.generate(protocol.Generate("r1", "tiny", b"", protocol.Sampling(max_tokens=1)))
+    generate = worker.receive(frame)
+    assert isinstance(generate, protocol.Generate)
+    assert proxy.in_flight == {"r1"}
+    assert worker.in_flight == {"r1"}
+    delta = protocol.encode(
+        protocol.Delta("r1", protocol.pack_ids([5]), protocol.pack_logprobs([-1.0]))
+    )
+    assert isinstance(proxy.receive(delta), protocol.Delta)
+    proxy.receive(worker.finish(protocol.Done("r1", "stop")))
+    assert proxy.in_flight == set()
+    assert worker.in_flight == set()
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(delta)
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(protocol.encode(protocol.Done("never-sent", "stop")))
+
+
+def test_duplicate_request_id_is_illegal() -> None:
+    """The same request id cannot be in flight twice on one connection."""
+    proxy, _ = _open_pair()
+    message = protocol.Generate("r1", "tiny", b"", protocol.Sampling(max_tokens=1))
+    proxy.generate(message)
+    with pytest.raises(IllegalTransitionError):
+        proxy.generate(message)
+
+
+def test_late_frames_after_cancel_are_tolerated_then_forgotten() -> None:
+    """After Cancel, the worker's late deltas and final Done are accepted once."""
+    proxy, worker = _open_pair()
+    worker.receive(
+        proxy.generate(protocol.Generate("r1", "m", b"", protocol.Sampling(max_tokens=9)))
+    )
+    cancel = proxy.cancel("r1")
+    assert cancel is not None
+    assert isinstance(worker.receive(cancel), protocol.Cancel)
+    assert proxy.cancel("r1") is None
+    proxy.receive(protocol.encode(protocol.Delta("r1", b"", b"")))
+    proxy.receive(worker.finish(protocol.Done("r1", "abort")))
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(protocol.encode(protocol.Delta("r1", b"", b"")))
+
+
+def test_close_returns_requests_in_flight() -> None:
+    """Closing reports what was lost so the pool can re-dispatch it."""
+    proxy, _ = _open_pair()
+    proxy.generate(protocol.Generate("a", "m", b"", protocol.Sampling(max_tokens=1)))
+    proxy.generate(protocol.Generate("b", "m", b"", protocol.Sampling(max_tokens=1)))
+    assert proxy.close() == {"a", "b"}
+    assert proxy.state is protocol.ConnectionState.CLOSED
+    assert "closed" in repr(proxy)
