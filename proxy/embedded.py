@@ -1,0 +1,89 @@
+"""Running the proxy (and optionally an in-process ``hf`` worker) inside one event loop:
+the ``up`` and ``demo`` commands and the end-to-end tests use this."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.appkeys import POOL
+from proxy.config import ProxyConfig
+
+
+@dataclass(slots=True)
+class RunningProxy:
+    runner: web.AppRunner
+    url: str
+    app: web.Application
+    worker_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def worker_url(self) -> str:
+        return (
+            self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws/worker"
+        )
+
+    async def wait_for_workers(self, count: int = 1, within_seconds: float = 60.0) -> None:
+        pool = self.app[POOL]
+        deadline = asyncio.get_running_loop().time() + within_seconds
+        while len(pool.workers) < count:
+            for task in self.worker_tasks:
+                if task.done():
+                    task.result()  # surface a worker that died
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{count} worker(s) did not connect within {within_seconds}s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in self.worker_tasks:
+            task.cancel()
+        for task in self.worker_tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.runner.cleanup()
+
+
+async def start_proxy(config: ProxyConfig) -> RunningProxy:
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = config.port
+    if port == 0:
+        server = site._server
+        assert server is not None
+        sockets = getattr(server, "sockets", None)
+        assert sockets
+        port = sockets[0].getsockname()[1]
+    return RunningProxy(runner, f"http://{config.host}:{port}", app)
+
+
+def start_hf_worker(
+    proxy: RunningProxy,
+    model_dir: Path,
+    *,
+    name: str | None = None,
+    token: str = "",
+    worker_id: str | None = None,
+) -> asyncio.Task[None]:
+    """Load the model with the ``hf`` backend and connect it to ``proxy`` in this loop."""
+    from worker_client.backends.hf import HFEngine
+
+    from worker_client.client import ServedModel, WorkerClient
+
+    engine = HFEngine.load(model_dir, name=name)
+    client = WorkerClient(
+        proxy.worker_url,
+        {engine.card.name: ServedModel(engine, model_dir)},
+        token=token,
+        worker_id=worker_id,
+    )
+    task = asyncio.get_running_loop().create_task(client.run())
+    proxy.worker_tasks.append(task)
+    return task

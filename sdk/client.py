@@ -1,0 +1,137 @@
+"""An async client for the proxy's session API.
+
+One ``aiohttp.ClientSession`` is reused for every call (connection pooling); create one
+``ProxyClient`` per process and share it. Use it as an async context manager or call
+``aclose()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from sdk.exceptions import ProxyRequestError, SessionNotFoundError
+
+
+@dataclass(slots=True, frozen=True)
+class TrialSession:
+    """What an agent needs to talk to the proxy for one trial."""
+
+    trial_id: str
+    base_url: str  # <proxy>/<trial_id>/v1: give it to the agent as its OpenAI base URL
+    api_key: str
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """For agents that append ``/v1/messages`` themselves (ANTHROPIC_BASE_URL)."""
+        return self.base_url.removesuffix("/v1")
+
+
+class ProxyClient:
+    def __init__(
+        self,
+        proxy_url: str,
+        *,
+        admin_token: str | None = None,
+        timeout_seconds: float = 60.0,
+        http: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.proxy_url = proxy_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._http = http
+        self._owns_http = http is None
+
+    def __repr__(self) -> str:
+        return f"<ProxyClient {self.proxy_url}>"
+
+    async def __aenter__(self) -> ProxyClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._owns_http:
+            await self._http.close()
+        self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            self._owns_http = True
+        return self._http
+
+    async def _request(self, method: str, path: str, payload: Any = None) -> Any:
+        async with self._session().request(
+            method, f"{self.proxy_url}{path}", json=payload
+        ) as response:
+            data = await response.json(content_type=None)
+            if response.status >= 400:
+                error = data.get("error", {}) if isinstance(data, dict) else {}
+                cls = SessionNotFoundError if response.status == 404 else ProxyRequestError
+                raise cls(
+                    response.status,
+                    str(error.get("type", "error")),
+                    error.get("code"),
+                    str(error.get("message", response.reason)),
+                )
+            return data
+
+    # ------------------------------------------------------------------ API
+
+    async def create_session(
+        self,
+        trial_id: str | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> TrialSession:
+        payload: dict[str, Any] = {"metadata": metadata or {}}
+        if sampling is not None:
+            payload["sampling"] = sampling
+        if model is not None:
+            payload["model"] = model
+        if trial_id is not None:
+            data = await self._request("POST", f"/sessions/{trial_id}", payload)
+        else:
+            data = await self._request("POST", "/sessions", payload)
+        return TrialSession(data["trial_id"], data["base_url"], data["api_key"])
+
+    async def get_session(self, trial_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", f"/sessions/{trial_id}")
+        return result
+
+    async def trajectories(self, trial_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", f"/sessions/{trial_id}/trajectories")
+        return result
+
+    async def complete(
+        self, trial_id: str, reward: float | dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        payload = {} if reward is None else {"reward": reward}
+        result: dict[str, Any] = await self._request(
+            "POST", f"/sessions/{trial_id}/complete", payload
+        )
+        return result
+
+    async def delete(self, trial_id: str) -> None:
+        await self._request("DELETE", f"/sessions/{trial_id}")
+
+    async def list_sessions(self, *, limit: int = 100, after: str | None = None) -> dict[str, Any]:
+        query = f"?limit={limit}" + (f"&after={after}" if after else "")
+        result: dict[str, Any] = await self._request("GET", f"/sessions{query}")
+        return result
+
+    async def ready(self) -> bool:
+        async with self._session().get(f"{self.proxy_url}/readyz") as response:
+            return response.status == 200

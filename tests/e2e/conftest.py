@@ -1,0 +1,40 @@
+"""A real proxy with a real ``hf`` worker on the tiny model, on loopback, in the test loop."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from sdk.client import ProxyClient
+
+# Scale every wait in the suite on slow machines: RELAY_TEST_TIMEOUT_FACTOR=3 pytest ...
+TIMEOUT_FACTOR = float(os.environ.get("RELAY_TEST_TIMEOUT_FACTOR", "1"))
+
+
+@pytest.fixture(scope="session")
+async def stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[RunningProxy]:
+    config = ProxyConfig(
+        port=0,
+        worker_wait_seconds=5 * TIMEOUT_FACTOR,
+        max_body_bytes=1024 * 1024,
+        max_tokens=64,
+        cache_dir=tmp_path_factory.mktemp("proxy-cache"),
+    )
+    running = await start_proxy(config)
+    start_hf_worker(running, tiny_model_dir, worker_id="test-hf")
+    await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def proxy_client(stack: RunningProxy) -> AsyncIterator[ProxyClient]:
+    async with ProxyClient(stack.url) as client:
+        yield client

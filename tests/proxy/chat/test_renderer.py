@@ -1,0 +1,117 @@
+"""Rendering with the model's own chat template, and the rule that keeps sampled ids verbatim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.chat.messages import ChatMessage, Tool, ToolCall
+from proxy.chat.renderer import ChatRenderer, NotPrefixStableError
+from proxy.exceptions import TemplateError
+
+TOOLS = [
+    Tool("bash", "run a command", {"type": "object", "properties": {"command": {"type": "string"}}})
+]
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir: Path) -> ChatRenderer:
+    return ChatRenderer.from_directory(tiny_model_dir)
+
+
+def _assistant_ids(renderer: ChatRenderer, message: ChatMessage) -> list[int]:
+    """The ids a model would have sampled to produce ``message``: content + stop token."""
+    user = {"role": "user", "content": "x"}
+    text = renderer._apply([user, message.template_dict()], add_generation_prompt=False)
+    body = text[len(renderer._apply([user], add_generation_prompt=True)) :]
+    close = renderer.assistant_close
+    stop = renderer.stop_token_ids[0]
+    assert body.endswith(close)
+    assert close.startswith(renderer.tokenizer.decode([stop]))
+    return [*renderer.encode(body[: len(body) - len(close)]), stop]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        [ChatMessage("user", "and now?")],
+        [
+            ChatMessage("tool", "a.py\nb.py", tool_call_id="c1"),
+            ChatMessage("tool", "done", tool_call_id="c2"),
+        ],
+        [ChatMessage("system", "mid-conversation note"), ChatMessage("user", "héllo ✓ 你好")],
+    ],
+)
+def test_continuation_equals_full_rendering(
+    renderer: ChatRenderer, tail: list[ChatMessage]
+) -> None:
+    """prompt + sampled ids + bridge + delta == the full rendering, token for token, for
+    plain, tool-result and mid-conversation-system continuations."""
+    head = [ChatMessage("system", "be brief"), ChatMessage("user", "list files")]
+    reply = ChatMessage("assistant", "Sure.", (ToolCall("c1", "bash", '{"command": "ls"}'),))
+    prompt = renderer.render_conversation(head, TOOLS)
+    sampled = _assistant_ids(renderer, reply)
+    continued = prompt + sampled + renderer.bridge(sampled) + renderer.render_continuation(tail)
+    assert continued == renderer.render_conversation([*head, reply, *tail], TOOLS)
+
+
+def test_bridge_after_truncation_closes_the_turn(renderer: ChatRenderer) -> None:
+    """Without a sampled stop token the bridge supplies the template's whole close."""
+    truncated = renderer.encode("half a sent")
+    bridge = renderer.tokenizer.decode(renderer.bridge(truncated))
+    assert bridge == renderer.assistant_close
+    stopped = [*truncated, renderer.stop_token_ids[0]]
+    full_close = renderer.tokenizer.decode(
+        [renderer.stop_token_ids[0]]
+    ) + renderer.tokenizer.decode(renderer.bridge(stopped))
+    assert full_close == renderer.assistant_close
+
+
+def test_completion_text_drops_only_a_final_stop_token(renderer: ChatRenderer) -> None:
+    """The agent gets the sampled text without the trailing stop token, nothing else removed."""
+    ids = renderer.encode("hello <tool_call>")
+    stop = renderer.stop_token_ids[0]
+    assert renderer.completion_text([*ids, stop]) == "hello <tool_call>"
+    assert renderer.completion_text([stop, *ids]).endswith("hello <tool_call>")
+
+
+def test_parse_uses_the_detected_hermes_parser(renderer: ChatRenderer) -> None:
+    """The tiny model's template selects the hermes tool-call parser."""
+    assert renderer.parser.name == "hermes"
+    parsed = renderer.parse(
+        'ok\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', TOOLS
+    )
+    assert parsed.content == "ok"
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("bash", '{"command": "ls"}')]
+
+
+def test_template_errors_are_typed(renderer: ChatRenderer) -> None:
+    """A template failure becomes TemplateError, not a raw jinja exception."""
+
+    class Broken:
+        chat_template = "{{ raise_exception('nope') }}"
+        eos_token_id = 0
+        name_or_path = ""
+
+        def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+            raise RuntimeError("template exploded")
+
+    with pytest.raises(TemplateError):
+        ChatRenderer(Broken())
+
+
+def test_non_prefix_stable_template_is_detected(tiny_model_dir: Path) -> None:
+    """A template that rewrites earlier turns is refused for delta rendering."""
+    renderer = ChatRenderer.from_directory(tiny_model_dir)
+    renderer.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% if loop.last %}[last]{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    renderer._probe_text = renderer._apply(
+        [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "probe"}],
+        add_generation_prompt=False,
+    )
+    with pytest.raises(NotPrefixStableError):
+        renderer.render_continuation([ChatMessage("user", "next")])
