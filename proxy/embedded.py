@@ -74,7 +74,6 @@ def start_hf_worker(
 ) -> asyncio.Task[None]:
     """Load the model with the ``hf`` backend and connect it to ``proxy`` in this loop."""
     from worker_client.backends.hf import HFEngine
-
     from worker_client.client import ServedModel, WorkerClient
 
     engine = HFEngine.load(model_dir, name=name)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import shortuuid
 
+from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
 from proxy.exceptions import (
     ContextLengthError,
@@ -25,7 +27,9 @@ from proxy.exceptions import (
 from proxy.models import ModelRegistry, ServedModel
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_turn
-from proxy.sessions.model import Session, TurnMeta, TurnNode
+from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
+from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream
+from relay import protocol
 from relay.exceptions import NoWorkerAvailableError, RelayError, WorkerFailedError
 from relay.pool import FinishedEvent, RelayCall, RestartedEvent, TokensEvent, WorkerPool
 
@@ -48,6 +52,42 @@ class TurnResult:
     finish_reason: str  # engine-level: stop | length | abort
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    """Content text the client may be shown now."""
+
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallReady:
+    """A complete tool call, parsed while streaming."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(slots=True, frozen=True)
+class TurnDone:
+    result: TurnResult
+
+
+TurnEvent = TextDelta | ToolCallReady | TurnDone
+
+
+@dataclass(slots=True)
+class PreparedTurn:
+    """A turn that passed validation and was dispatched to a worker."""
+
+    session: Session
+    request: TurnRequest
+    served: ServedModel
+    plan: PromptPlan
+    sampling: protocol.Sampling
+    call: RelayCall
+    started: float
 
 
 class TurnService:
@@ -74,7 +114,14 @@ class TurnService:
             )
         return self.models.resolve(requested, session.model, set(served))
 
-    async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
+    def _unavailable(self, exc: NoWorkerAvailableError) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
+            str(exc), retry_after=self.retry_after_seconds, code="no_worker"
+        )
+
+    async def start(self, session: Session, request: TurnRequest) -> PreparedTurn:
+        """Validate, plan the prompt and dispatch it. Every client error is raised here,
+        before a response (or a stream) has begun."""
         session.require_active()
         served = await self._served(session, request.requested_model)
         renderer = served.renderer
@@ -98,49 +145,137 @@ class TurnService:
                 served.name, plan.prompt_ids, sampling, affinity=session.trial_id
             )
         except NoWorkerAvailableError as exc:
-            raise ServiceUnavailableError(
-                str(exc), retry_after=self.retry_after_seconds, code="no_worker"
-            ) from None
-        ids, logprobs, finished = await self._collect(call)
-        dispatched = call.started_at or started
-        finish = finished.finish_reason
+            raise self._unavailable(exc) from None
+        return PreparedTurn(session, request, served, plan, sampling, call, started)
 
-        session.require_active()  # completed or deleted while we were generating
-        text = renderer.completion_text(ids)
-        parsed = renderer.parse(text, request.tools)
+    async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
+        """A whole turn, for non-streaming APIs."""
+        prepared = await self.start(session, request)
+        async for event in self.stream(prepared):
+            if isinstance(event, TurnDone):
+                return event.result
+        raise UpstreamError("the turn ended without a result")  # pragma: no cover
+
+    async def stream(self, prepared: PreparedTurn) -> AsyncGenerator[TurnEvent, None]:
+        """Events as the worker samples; the turn is recorded before ``TurnDone``.
+
+        If the consumer goes away (the agent disconnected), the generation is cancelled on
+        the worker and what was sampled so far is recorded as a truncated turn."""
+        renderer = prepared.served.renderer
+        detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+        parser = renderer.parser.stream(_tool_schemas(prepared.request.tools))
+        logprobs: list[float] = []
+        calls: list[ToolCall] = []
+        shown = False
+        finished: FinishedEvent | None = None
+        try:
+            try:
+                async for event in prepared.call.events():
+                    if isinstance(event, TokensEvent):
+                        logprobs.extend(event.logprobs)
+                        text = detok.push(event.token_ids)
+                        for out in self._parsed(parser.feed(text) if text else [], calls):
+                            shown = True
+                            yield out
+                    elif isinstance(event, RestartedEvent):
+                        if shown:
+                            await prepared.call.cancel()
+                            raise UpstreamError(
+                                "the worker was lost after the reply had started streaming",
+                                code="worker_lost",
+                            )
+                        detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+                        parser = renderer.parser.stream(_tool_schemas(prepared.request.tools))
+                        logprobs.clear()
+                    else:
+                        finished = event
+            except WorkerFailedError as exc:
+                if exc.code == "prompt_too_long":
+                    raise ContextLengthError(exc.message) from None
+                raise UpstreamError(f"the worker failed: {exc.message}", code=exc.code) from None
+            except NoWorkerAvailableError as exc:
+                raise self._unavailable(exc) from None
+            except RelayError as exc:
+                raise ProxyError(f"relay error: {exc}") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            await prepared.call.cancel()
+            self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+            raise
+        if finished is None:
+            raise UpstreamError("the worker stream ended without finishing")
+        tail = detok.flush()
+        events, parsed = parser.finish() if not tail else _finish_with(parser, tail)
+        for out in self._parsed(events, calls):
+            yield out
+        result = self._record(
+            prepared, detok.ids, logprobs, finished, parsed, truncated=False, streamed=calls
+        )
+        yield TurnDone(result)
+
+    @staticmethod
+    def _parsed(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
+        for event in events:
+            if isinstance(event, ContentDelta):
+                if event.text:
+                    yield TextDelta(event.text)
+            else:
+                call = ToolCall(_call_id(), event.call.name, event.call.arguments)
+                calls.append(call)
+                yield ToolCallReady(event.index, call)
+
+    def _record(
+        self,
+        prepared: PreparedTurn,
+        ids: list[int],
+        logprobs: list[float],
+        finished: FinishedEvent | None,
+        parsed: ParsedOutput | None,
+        *,
+        truncated: bool,
+        streamed: Sequence[ToolCall] = (),
+    ) -> TurnResult:
+        session, plan, renderer = prepared.session, prepared.plan, prepared.served.renderer
+        if parsed is None:
+            parsed = renderer.parse(renderer.completion_text(ids), prepared.request.tools)
+        # Tool calls keep the ids a streaming client already saw; malformed output has none.
         tool_calls = tuple(
-            ToolCall(f"call_{shortuuid.uuid()[:22]}", c.name, c.arguments)
-            for c in parsed.tool_calls
+            streamed[i] if i < len(streamed) else ToolCall(_call_id(), c.name, c.arguments)
+            for i, c in enumerate(parsed.tool_calls)
         )
         returned = ChatMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+        call = prepared.call
+        dispatched = call.started_at or prepared.started
+        finish = finished.finish_reason if finished is not None else "abort"
         node = TurnNode(
             index=len(session.nodes),
             parent=plan.parent,
             context_ids=array("i", plan.context_ids),
             completion_ids=array("i", ids),
-            logprobs=array("f", logprobs),
+            logprobs=array("f", logprobs[: len(ids)]),
             prompt_len=len(plan.prompt_ids),
             key=extend_key(plan.request_key, returned),
             meta=TurnMeta(
-                api=request.api,
-                model=served.name,
-                requested_model=request.requested_model,
-                worker_id=finished.worker_id,
+                api=prepared.request.api,
+                model=prepared.served.name,
+                requested_model=prepared.request.requested_model,
+                worker_id=finished.worker_id if finished is not None else (call.worker_id or ""),
                 finish_reason=finish,
-                sampling=sampling_record(sampling),
+                sampling=sampling_record(prepared.sampling),
                 created_at=time.time(),
                 queue_seconds=dispatched - call.queued_at,
                 engine_seconds=time.perf_counter() - dispatched,
                 branch_reason=plan.branch_reason,
                 tool_calls=len(tool_calls),
                 malformed_tool_call=parsed.malformed,
-                extra=finished.extra,
+                truncated=truncated,
+                extra=dict(finished.extra) if finished is not None else {},
             ),
         )
-        session.add_turn(node)
+        if session.state is SessionState.ACTIVE:
+            session.add_turn(node)
         return TurnResult(
             node=node,
-            model=served.name,
+            model=prepared.served.name,
             content=parsed.content,
             tool_calls=tool_calls,
             finish_reason=finish,
@@ -148,33 +283,19 @@ class TurnService:
             completion_tokens=len(ids),
         )
 
-    async def _collect(self, call: RelayCall) -> tuple[list[int], list[float], FinishedEvent]:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        try:
-            async for event in call.events():
-                if isinstance(event, TokensEvent):
-                    ids.extend(event.token_ids)
-                    logprobs.extend(event.logprobs)
-                elif isinstance(event, RestartedEvent):
-                    ids.clear()
-                    logprobs.clear()
-                elif isinstance(event, FinishedEvent):
-                    return ids, logprobs, event
-        except asyncio.CancelledError:
-            await call.cancel()
-            raise
-        except WorkerFailedError as exc:
-            if exc.code == "prompt_too_long":
-                raise ContextLengthError(exc.message) from None
-            raise UpstreamError(f"the worker failed: {exc.message}", code=exc.code) from None
-        except NoWorkerAvailableError as exc:
-            raise ServiceUnavailableError(
-                str(exc), retry_after=self.retry_after_seconds, code="no_worker"
-            ) from None
-        except RelayError as exc:
-            raise ProxyError(f"relay error: {exc}") from None
-        raise UpstreamError("the worker stream ended without finishing")
+
+def _call_id() -> str:
+    return f"call_{shortuuid.uuid()[:22]}"
+
+
+def _tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
+    return [t.template_dict() for t in tools] if tools else None
+
+
+def _finish_with(parser: ToolCallStream, tail: str) -> tuple[list[StreamEvent], ParsedOutput]:
+    events = parser.feed(tail)
+    more, parsed = parser.finish()
+    return events + more, parsed
 
 
 def _large(messages: Sequence[ChatMessage]) -> bool:

@@ -190,11 +190,10 @@ def describe(export: dict[str, Any]) -> str:
 
 async def run_demo(config: Any, model_dir: Path, turns: int, seed: int) -> int:
     """Start the embedded proxy + worker, run one episode, print what a trainer gets."""
-    from worker_client.backends.hf import HFEngine
-
     from proxy.embedded import start_hf_worker, start_proxy
     from sdk.fidelity import check_fidelity
     from sdk.samples import build_samples
+    from worker_client.backends.hf import HFEngine
 
     running = await start_proxy(config)
     try:

@@ -31,11 +31,12 @@ def json_response(payload: object, status: int = 200) -> web.Response:
     )
 
 
+def error_body(exc: ProxyError) -> dict[str, object]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}}
+
+
 def openai_error(exc: ProxyError) -> web.Response:
-    response = json_response(
-        {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}},
-        status=exc.status,
-    )
+    response = json_response(error_body(exc), status=exc.status)
     if isinstance(exc, ServiceUnavailableError):
         response.headers["Retry-After"] = str(exc.retry_after)
     return response

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
-from worker_client.backends.hf import HFEngine
 
 from sdk.client import ProxyClient
 from sdk.demo import Workspace, run_episode
 from sdk.fidelity import check_fidelity
+from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
 

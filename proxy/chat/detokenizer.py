@@ -1,0 +1,52 @@
+"""Incremental detokenization for streaming.
+
+Byte-level tokenizers split multi-byte characters across tokens, and decoding a token
+alone can differ from decoding it in context. The detokenizer therefore decodes a short
+window of recent tokens and emits only the text that the window's new tokens added,
+holding back text that ends in an incomplete character (U+FFFD) until the next token
+completes it. A trailing stop token is held back too: when the generation ends on it, its
+text is never shown (the agent receives the reply without it, as in the non-streamed
+case). The concatenation of all emitted text equals ``ChatRenderer.completion_text``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = frozenset(stop_token_ids)
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: decoding starts here for context
+        self._read = 0  # tokens before this were emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
+        return text
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add sampled ids; return the text that can be shown now."""
+        self.ids.extend(new_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the generation: the rest, minus a final stop token."""
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        end = len(self.ids)
+        if end and self.ids[-1] in self._stop:
+            end -= 1  # a trailing stop token is shown only if more tokens follow it
+        if end <= self._read:
+            return ""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix : end])
+        if after.endswith(_REPLACEMENT) and not final:
+            return ""  # an incomplete character: wait for the next token
+        self._prefix, self._read = self._read, end
+        return after[len(before) :]
