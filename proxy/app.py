@@ -5,8 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.api import sessions
+from proxy.api.anthropic import routes as anthropic_routes
 from proxy.api.errors import error_middleware, json_response
 from proxy.api.openai import routes as openai_routes
+from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
 from proxy.config import ProxyConfig
 from proxy.models import ModelRegistry
@@ -60,4 +62,6 @@ def build_app(config: ProxyConfig) -> web.Application:
     )
     sessions.add_routes(app)
     openai_routes.add_routes(app)
+    anthropic_routes.add_routes(app)
+    responses_routes.add_routes(app)
     return app

@@ -77,18 +77,38 @@ def from_http_exception(exc: web.HTTPException) -> ProxyError:
     return error
 
 
+ErrorRenderer = Callable[[ProxyError], web.Response]
+
+# Path suffix → renderer, for APIs whose clients expect their own error shape (Anthropic).
+# Everything else answers in the OpenAI shape.
+_ERROR_FORMATS: list[tuple[str, ErrorRenderer]] = []
+
+
+def register_error_format(path_suffix: str, render: ErrorRenderer) -> None:
+    _ERROR_FORMATS.append((path_suffix, render))
+
+
+def _renderer_for(path: str) -> ErrorRenderer:
+    for suffix, render in _ERROR_FORMATS:
+        if path.endswith(suffix):
+            return render
+    return openai_error
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place where exceptions become wire errors."""
+    render = _renderer_for(request.path)
     try:
         return await handler(request)
     except ProxyError as exc:
-        return openai_error(exc)
+        return render(exc)
     except ValidationError as exc:
-        return openai_error(BadRequestError(validation_message(exc), code="invalid_request"))
+        return render(BadRequestError(validation_message(exc), code="invalid_request"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return openai_error(from_http_exception(exc))
+        return render(from_http_exception(exc))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return openai_error(ProxyError("internal error"))
+        return render(ProxyError("internal error"))

@@ -1,0 +1,1 @@
+"""The anthropic API under ``/<trial_id>/v1/``."""

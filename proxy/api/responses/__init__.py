@@ -1,0 +1,1 @@
+"""The responses API under ``/<trial_id>/v1/``."""

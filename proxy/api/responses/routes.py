@@ -1,0 +1,9 @@
+"""Routes of this API family (filled in by its implementation)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+def add_routes(app: web.Application) -> None:
+    return None
