@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := proxy relay worker_client sdk
 
-.PHONY: setup check lint typecheck test demo up bench clean
+.PHONY: setup check lint typecheck test test-vllm demo up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -19,6 +19,12 @@ check: lint typecheck
 
 test: setup check
 	$(BIN)/pytest -q tests
+
+# vLLM's request/output translation against vLLM's real types, in a side environment
+# (vLLM pins other transformers versions and cannot share .venv). ~2 min and 1.8 GB once.
+test-vllm:
+	./scripts/vllm-types-env.sh
+	.cache/vllm-venv/bin/pytest -q -p no:cacheprovider --noconftest tests/worker_client/backends/test_vllm.py
 
 demo: setup
 	$(BIN)/rollout-relay demo

@@ -1,0 +1,448 @@
+"""The vllm backend.
+
+Tests that take the ``vllm_mod`` fixture need vLLM's real types and skip without them; run
+them in the side venv that ``scripts/vllm-types-env.sh`` builds (no GPU needed):
+
+    scripts/vllm-types-env.sh
+    .cache/vllm-venv/bin/pytest tests/worker_client/backends/test_vllm.py -p no:cacheprovider
+
+The others run anywhere, including the main venv, which has no vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+import typing
+from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import worker_client.backends
+from worker_client.backends.vllm import (
+    VLLM_LOGPROBS_MODES,
+    VLLMEngine,
+    chunk_from_output,
+    to_vllm_sampling,
+)
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+)
+from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+
+# torch, which vllm imports, uses its own deprecated torch.jit.script_method on import.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
+PROMPT = [11, 12, 13]
+EOS = 2
+STOP = 5
+
+
+@pytest.fixture(scope="module")
+def vllm_mod() -> Any:
+    vllm = pytest.importorskip("vllm")
+    for name in ("inputs", "logprobs", "outputs", "sampling_params"):
+        importlib.import_module(f"vllm.{name}")
+    return vllm
+
+
+def output(
+    token_ids: Sequence[int],
+    logprobs: Any,
+    finish_reason: str | None = None,
+) -> Any:
+    """A DELTA ``RequestOutput`` as vLLM's output processor builds it."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=list(token_ids),
+        cumulative_logprob=None,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        stop_reason=None,
+    )
+    return RequestOutput(
+        request_id="r1",
+        prompt=None,
+        prompt_token_ids=list(PROMPT),
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=finish_reason is not None,
+    )
+
+
+def positions(pairs: Sequence[tuple[int, float]]) -> list[dict[int, Any]]:
+    """Sample logprobs with ``logprobs=0``: one entry per position, the sampled token."""
+    from vllm.logprobs import Logprob
+
+    return [{token: Logprob(logprob=value, rank=1)} for token, value in pairs]
+
+
+# ------------------------------------------------------------------ to_vllm_sampling
+
+
+def test_sampling_maps_every_field(vllm_mod: Any) -> None:
+    """Every field of our SamplingParams reaches vLLM's, with logprobs=0, DELTA, no text."""
+    from vllm.sampling_params import RequestOutputKind
+
+    ours = SamplingParams(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=123, stop_token_ids=(EOS, STOP)
+    )
+    theirs = to_vllm_sampling(ours, vllm_mod)
+    assert isinstance(theirs, vllm_mod.SamplingParams)
+    assert (theirs.n, theirs.max_tokens, theirs.temperature) == (1, 7, 0.7)
+    assert (theirs.top_p, theirs.top_k, theirs.seed) == (0.9, 40, 123)
+    assert theirs.stop_token_ids == [EOS, STOP]
+    assert theirs.logprobs == 0
+    assert theirs.output_kind == RequestOutputKind.DELTA
+    assert theirs.ignore_eos is False
+    assert theirs.detokenize is False
+
+
+def test_sampling_imports_vllm_when_not_given(vllm_mod: Any) -> None:
+    """Without a module argument, to_vllm_sampling imports vllm itself."""
+    theirs = to_vllm_sampling(SamplingParams(max_tokens=3))
+    assert isinstance(theirs, vllm_mod.SamplingParams)
+    assert (theirs.max_tokens, theirs.seed, theirs.stop_token_ids) == (3, None, [])
+
+
+@pytest.mark.parametrize("top_k", [0, -1, -7])
+def test_top_k_off_becomes_vllm_zero(vllm_mod: Any, top_k: int) -> None:
+    """Our top_k <= 0 (off) becomes 0, vLLM's value for off (it rejects values below -1)."""
+    theirs = to_vllm_sampling(SamplingParams(max_tokens=4, top_k=top_k), vllm_mod)
+    assert theirs.top_k == 0
+
+
+def test_sampling_vllm_rejects_becomes_engine_error(vllm_mod: Any) -> None:
+    """A value vLLM refuses (temperature above 2) raises EngineError, not vLLM's error."""
+    with pytest.raises(EngineError, match="temperature"):
+        to_vllm_sampling(SamplingParams(max_tokens=4, temperature=3.0), vllm_mod)
+
+
+def _request(vllm_mod: Any, sampling: SamplingParams) -> Any:
+    """A vLLM engine-core request, with the EOS handling vLLM's input processor applies."""
+    from vllm.v1.request import Request
+
+    params = to_vllm_sampling(sampling, vllm_mod).clone()
+    # A model whose tokenizer EOS is 2 and whose generation_config lists 2 and 9.
+    params.update_from_generation_config({"eos_token_id": [EOS, 9]}, EOS)
+    return Request("r1", list(PROMPT), params, None)
+
+
+def _sample(request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    """Run vLLM's scheduler step that appends sampled tokens and checks for a stop."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    scheduler = SimpleNamespace(max_model_len=1024)
+    result: tuple[list[int], bool] = Scheduler._update_request_with_output(
+        scheduler,
+        request,
+        list(new_token_ids),
+    )
+    return result
+
+
+def test_stop_token_is_kept_in_the_output(vllm_mod: Any) -> None:
+    """vLLM keeps the sampled stop token in the output ids and drops what follows it."""
+    from vllm.v1.request import RequestStatus
+
+    request = _request(vllm_mod, SamplingParams(max_tokens=10, stop_token_ids=(STOP,)))
+    kept, stopped = _sample(request, [4, STOP, 6])
+    assert stopped
+    assert kept == [4, STOP]
+    assert list(request.output_token_ids) == [4, STOP]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_model_eos_stops_and_is_kept(vllm_mod: Any) -> None:
+    """The tokenizer's EOS stops even when not listed (as in the hf backend), and is kept."""
+    from vllm.v1.request import RequestStatus
+
+    request = _request(vllm_mod, SamplingParams(max_tokens=10, stop_token_ids=(STOP,)))
+    kept, stopped = _sample(request, [4, EOS, 6])
+    assert stopped
+    assert kept == [4, EOS]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_generation_config_eos_stops(vllm_mod: Any) -> None:
+    """An EOS id listed only in the model's generation_config stops too, and is kept."""
+    request = _request(vllm_mod, SamplingParams(max_tokens=10, stop_token_ids=(STOP,)))
+    kept, stopped = _sample(request, [4, 9, 6])
+    assert stopped
+    assert kept == [4, 9]
+
+
+def test_other_tokens_do_not_stop(vllm_mod: Any) -> None:
+    """Tokens that are neither stop ids nor EOS ids never stop the request."""
+    request = _request(vllm_mod, SamplingParams(max_tokens=10, stop_token_ids=(STOP,)))
+    kept, stopped = _sample(request, [4, 6, 7])
+    assert not stopped
+    assert kept == [4, 6, 7]
+
+
+def test_max_tokens_stops_with_length(vllm_mod: Any) -> None:
+    """max_tokens ends the request as length-capped after exactly that many tokens."""
+    from vllm.v1.request import RequestStatus
+
+    request = _request(vllm_mod, SamplingParams(max_tokens=2, stop_token_ids=(STOP,)))
+    kept, stopped = _sample(request, [4, 6, 7])
+    assert stopped
+    assert kept == [4, 6]
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_logprobs_modes_are_vllm_values(vllm_mod: Any) -> None:
+    """RAW and PROCESSED map to vLLM's raw_logprobs and processed_logprobs engine values."""
+    from vllm.config.model import LogprobsMode as VllmLogprobsMode
+
+    assert VLLM_LOGPROBS_MODES == {
+        LogprobsMode.RAW: "raw_logprobs",
+        LogprobsMode.PROCESSED: "processed_logprobs",
+    }
+    assert set(VLLM_LOGPROBS_MODES.values()) <= set(typing.get_args(VllmLogprobsMode))
+
+
+# ------------------------------------------------------------------ chunk_from_output
+
+
+def test_intermediate_output_has_no_finish_reason(vllm_mod: Any) -> None:
+    """An unfinished delta gives its ids and logprobs and no finish reason."""
+    chunk = chunk_from_output(output([4, 6], positions([(4, -0.25), (6, -1.5)])))
+    assert chunk == TokenChunk([4, 6], [-0.25, -1.5], None)
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("abort", FinishReason.ABORT),
+    ],
+)
+def test_finish_reasons(vllm_mod: Any, reason: str, expected: FinishReason) -> None:
+    """vLLM's stop, length and abort map to ours, with the last tokens in the same chunk."""
+    chunk = chunk_from_output(output([STOP], positions([(STOP, -0.125)]), reason))
+    assert chunk == TokenChunk([STOP], [-0.125], expected)
+
+
+@pytest.mark.parametrize("logprobs", [[], None])
+def test_abort_without_tokens(vllm_mod: Any, logprobs: Any) -> None:
+    """The empty final output of an abort is an ABORT chunk with no tokens."""
+    chunk = chunk_from_output(output([], logprobs, "abort"))
+    assert chunk == TokenChunk([], [], FinishReason.ABORT)
+
+
+def test_logprob_of_the_sampled_token_is_taken(vllm_mod: Any) -> None:
+    """With more candidates at a position, the sampled token's logprob is the one used."""
+    from vllm.logprobs import Logprob
+
+    position = {9: Logprob(logprob=-0.1, rank=1), 4: Logprob(logprob=-3.0, rank=2)}
+    chunk = chunk_from_output(output([4], [position]))
+    assert chunk.logprobs == [-3.0]
+
+
+def test_flat_logprobs(vllm_mod: Any) -> None:
+    """Logprobs in vLLM's flat container (flat_logprobs=True) are read the same way."""
+    from vllm.logprobs import FlatLogprobs
+
+    flat = FlatLogprobs()
+    flat.extend(positions([(4, -0.5), (6, -0.75)]))
+    chunk = chunk_from_output(output([4, 6], flat, "length"))
+    assert chunk == TokenChunk([4, 6], [-0.5, -0.75], FinishReason.LENGTH)
+
+
+def test_missing_logprobs_is_an_engine_error(vllm_mod: Any) -> None:
+    """Tokens without logprobs (request sent without logprobs) raise EngineError."""
+    with pytest.raises(EngineError, match="logprobs"):
+        chunk_from_output(output([4, 6], None))
+
+
+def test_fewer_logprobs_than_tokens_is_an_engine_error(vllm_mod: Any) -> None:
+    """A logprob list shorter than the token list raises EngineError."""
+    with pytest.raises(EngineError, match="2 tokens but 1 logprobs"):
+        chunk_from_output(output([4, 6], positions([(4, -0.5)])))
+
+
+def test_logprob_for_another_token_is_an_engine_error(vllm_mod: Any) -> None:
+    """A position whose logprobs lack the sampled token raises EngineError."""
+    with pytest.raises(EngineError, match="sampled token 6"):
+        chunk_from_output(output([4, 6], positions([(4, -0.5), (7, -0.5)])))
+
+
+def test_error_finish_is_an_engine_error(vllm_mod: Any) -> None:
+    """vLLM's 'error' finish reason raises EngineError."""
+    with pytest.raises(EngineError, match="'error'"):
+        chunk_from_output(output([], [], "error"))
+
+
+# ------------------------------------------------------------------ VLLMEngine
+
+
+class FakeLLM:
+    """Stands in for vLLM's AsyncLLM: replays the given outputs and records the calls."""
+
+    def __init__(self, outputs: Sequence[Any], fail: Exception | None = None) -> None:
+        self.outputs = outputs
+        self.fail = fail
+        self.calls: list[tuple[Any, Any, str]] = []
+        self.aborted: list[str] = []
+        self.closed = False
+        self.model_config = SimpleNamespace(max_model_len=16)
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.calls.append((prompt, params, request_id))
+        for item in self.outputs:
+            yield item
+        if self.fail is not None:
+            raise self.fail
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+def engine(llm: FakeLLM) -> VLLMEngine:
+    card = ModelCard("tiny", 16, LogprobsMode.RAW, "vllm")
+    return VLLMEngine(llm, card)
+
+
+async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
+    return [chunk async for chunk in stream]
+
+
+async def test_generate_streams_deltas(vllm_mod: Any) -> None:
+    """generate sends token ids with DELTA params and yields one chunk per non-empty delta."""
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = FakeLLM(
+        [
+            output([], []),
+            output([4], positions([(4, -0.5)])),
+            output([6, STOP], positions([(6, -0.25), (STOP, -0.125)]), "stop"),
+        ]
+    )
+    sampling = SamplingParams(max_tokens=8, stop_token_ids=(STOP,))
+    chunks = await collect(engine(llm).generate("req-1", PROMPT, sampling))
+    assert chunks == [
+        TokenChunk([4], [-0.5]),
+        TokenChunk([6, STOP], [-0.25, -0.125], FinishReason.STOP),
+    ]
+    ((prompt, params, request_id),) = llm.calls
+    assert prompt == {"prompt_token_ids": PROMPT}
+    assert request_id == "req-1"
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert params.stop_token_ids == [STOP]
+
+
+async def test_generate_without_finish_is_an_engine_error(vllm_mod: Any) -> None:
+    """A vLLM stream that ends without a finish reason raises EngineError."""
+    llm = FakeLLM([output([4], positions([(4, -0.5)]))])
+    stream = engine(llm).generate("req-1", PROMPT, SamplingParams(max_tokens=8))
+    with pytest.raises(EngineError, match="without a finish reason"):
+        await collect(stream)
+
+
+async def test_generate_wraps_vllm_failures(vllm_mod: Any) -> None:
+    """An exception raised by vLLM mid-stream becomes EngineError."""
+    llm = FakeLLM([output([4], positions([(4, -0.5)]))], fail=RuntimeError("engine dead"))
+    stream = engine(llm).generate("req-1", PROMPT, SamplingParams(max_tokens=8))
+    with pytest.raises(EngineError, match="engine dead"):
+        await collect(stream)
+
+
+async def test_prompt_too_long() -> None:
+    """A prompt that fills the context window raises PromptTooLongError before vLLM runs."""
+    llm = FakeLLM([])
+    stream = engine(llm).generate("req-1", list(range(16)), SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLongError):
+        await collect(stream)
+    assert llm.calls == []
+
+
+async def test_abort_and_close_reach_vllm() -> None:
+    """abort passes the request id to vLLM; close shuts the engine down."""
+    llm = FakeLLM([])
+    eng = engine(llm)
+    await eng.abort("req-9")
+    await eng.close()
+    assert llm.aborted == ["req-9"]
+    assert llm.closed
+
+
+def test_load_passes_engine_args(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load builds AsyncEngineArgs with the model, the logprobs mode and extra kwargs."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    seen: list[Any] = []
+
+    def fake_from_engine_args(args: Any) -> FakeLLM:
+        seen.append(args)
+        return FakeLLM([])
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
+    eng = VLLMEngine.load(
+        "/models/tiny", name="tiny", logprobs_mode=LogprobsMode.PROCESSED, max_model_len=64
+    )
+    (args,) = seen
+    assert (args.model, args.logprobs_mode, args.max_model_len) == (
+        "/models/tiny",
+        "processed_logprobs",
+        64,
+    )
+    assert eng.card == ModelCard("tiny", 16, LogprobsMode.PROCESSED, "vllm")
+
+
+def test_load_wraps_startup_failures(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while vLLM starts becomes EngineUnavailableError."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def broken(args: Any) -> FakeLLM:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", broken)
+    with pytest.raises(EngineUnavailableError, match="CUDA out of memory"):
+        VLLMEngine.load("/models/tiny")
+
+
+def test_load_without_gpu_is_unavailable(vllm_mod: Any) -> None:
+    """On a machine without a GPU, load raises EngineUnavailableError quickly."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_unspecified():
+        pytest.skip("this machine has a device vLLM can use")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match="no GPU"):
+        VLLMEngine.load("/nonexistent/model")
+    assert time.monotonic() - started < 30
+
+
+def test_without_vllm_import_works_and_load_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without vllm, the module imports, and load raises EngineUnavailableError naming vllm."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    monkeypatch.delitem(sys.modules, "worker_client.backends.vllm")
+    monkeypatch.setattr(worker_client.backends, "vllm", None, raising=False)
+    module = importlib.import_module("worker_client.backends.vllm")
+    with pytest.raises(EngineUnavailableError, match="'vllm' package"):
+        module.VLLMEngine.load("some/model")
+    with pytest.raises(EngineUnavailableError, match="'vllm' package"):
+        module.to_vllm_sampling(SamplingParams(max_tokens=4))

@@ -1,0 +1,233 @@
+"""The ``vllm`` backend: an in-process vLLM ``AsyncLLM`` behind the ``Engine`` interface.
+
+vLLM is imported lazily, inside functions: importing this module never needs vLLM, and
+``VLLMEngine.load`` raises ``EngineUnavailableError`` where vLLM (or a GPU) is missing.
+
+How our settings map onto vLLM (checked against vLLM 0.32.0):
+
+* Stopping: like the ``hf`` backend, generation stops on ``SamplingParams.stop_token_ids``
+  and on the model's own EOS ids (vLLM's default, ``ignore_eos=False``: the tokenizer's EOS
+  and ``generation_config.json``'s ``eos_token_id``), or at ``max_tokens`` / the context
+  window. The sampled stop token is part of ``token_ids``: vLLM's scheduler appends each
+  token before its stop check and trims only the tokens after it.
+* ``top_k <= 0`` (off) becomes vLLM's ``0``, its documented "disabled" value.
+* ``logprobs=0`` returns the logprob of the sampled token only; which distribution it comes
+  from is an engine setting, ``logprobs_mode`` (``raw_logprobs`` / ``processed_logprobs``).
+* ``output_kind=DELTA``: each ``RequestOutput`` carries only the tokens new since the last
+  one; ``detokenize=False``: we need ids, not text.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+)
+from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+
+BACKEND = "vllm"
+
+# Our logprobs modes and the values of vLLM's ``logprobs_mode`` engine argument.
+VLLM_LOGPROBS_MODES: dict[LogprobsMode, str] = {
+    LogprobsMode.RAW: "raw_logprobs",
+    LogprobsMode.PROCESSED: "processed_logprobs",
+}
+
+# vLLM's finish reasons (``FINISH_REASON_STRINGS``) that end a generation normally.
+# "error" and "repetition" (never enabled here) become ``EngineError``.
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+def import_vllm() -> Any:
+    """Return the ``vllm`` package, or raise ``EngineUnavailableError`` if it is missing."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            "the vllm backend needs the 'vllm' package, which cannot be imported here "
+            f"({exc}); install it with `pip install 'rollout-relay[vllm]'` on a GPU machine"
+        ) from exc
+    return vllm
+
+
+def to_vllm_sampling(sampling: SamplingParams, vllm: Any | None = None) -> Any:
+    """Translate our ``SamplingParams`` into a ``vllm.SamplingParams``.
+
+    ``vllm`` is the ``vllm`` package (imported when not given). Raises ``EngineError``
+    when vLLM rejects a value (e.g. a temperature above 2).
+    """
+    if vllm is None:
+        vllm = import_vllm()
+    output_kind = importlib.import_module(f"{vllm.__name__}.sampling_params").RequestOutputKind
+    try:
+        return vllm.SamplingParams(
+            n=1,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+            output_kind=output_kind.DELTA,
+        )
+    except Exception as exc:
+        raise EngineError(f"vLLM rejected the sampling settings {sampling}: {exc}") from exc
+
+
+def chunk_from_output(output: Any) -> TokenChunk:
+    """Turn one DELTA ``vllm.RequestOutput`` into a ``TokenChunk``.
+
+    Raises ``EngineError`` when a token has no logprob, or when vLLM ended the request
+    with an error.
+    """
+    if not output.outputs:
+        raise EngineError(f"vLLM returned no completion for request {output.request_id}")
+    completion = output.outputs[0]
+    token_ids = [int(t) for t in completion.token_ids]
+    positions = completion.logprobs
+    if token_ids and (positions is None or len(positions) != len(token_ids)):
+        have = "none" if positions is None else str(len(positions))
+        raise EngineError(
+            f"vLLM returned {len(token_ids)} tokens but {have} logprobs for request "
+            f"{output.request_id} (was the request sent with logprobs=0?)"
+        )
+    logprobs: list[float] = []
+    for token_id, position in zip(token_ids, positions or (), strict=False):
+        entry = position.get(token_id) if position else None
+        if entry is None:
+            raise EngineError(
+                f"vLLM returned no logprob for sampled token {token_id} of request "
+                f"{output.request_id}"
+            )
+        logprobs.append(float(entry.logprob))
+    return TokenChunk(token_ids, logprobs, _finish_reason(completion.finish_reason, output))
+
+
+def _finish_reason(reason: str | None, output: Any) -> FinishReason | None:
+    if reason is None:
+        return None
+    try:
+        return _FINISH_REASONS[str(reason)]
+    except KeyError:
+        raise EngineError(
+            f"vLLM ended request {output.request_id} with finish reason {reason!r}"
+        ) from None
+
+
+class VLLMEngine:
+    """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
+
+    def __init__(self, llm: Any, card: ModelCard) -> None:
+        self._llm = llm
+        self._card = card
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        *,
+        name: str | None = None,
+        logprobs_mode: LogprobsMode = LogprobsMode.RAW,
+        **engine_kwargs: Any,
+    ) -> VLLMEngine:
+        """Start vLLM on ``model`` (a local path or a hub id). ``engine_kwargs`` go to
+        ``AsyncEngineArgs`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
+
+        Raises ``EngineUnavailableError`` when vLLM is missing, finds no GPU, or fails to
+        start the engine.
+        """
+        mode = LogprobsMode(logprobs_mode)
+        if "logprobs_mode" in engine_kwargs:
+            raise TypeError("pass logprobs_mode as a LogprobsMode, not as an engine argument")
+        import_vllm()
+        try:
+            from vllm.platforms import current_platform
+
+            no_device = bool(current_platform.is_unspecified())
+        except Exception as exc:
+            raise EngineUnavailableError(f"vLLM cannot detect a device here: {exc}") from exc
+        if no_device:
+            raise EngineUnavailableError(
+                "vLLM found no GPU or other supported accelerator on this machine"
+            )
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise EngineUnavailableError(f"vLLM is installed incompletely: {exc}") from exc
+        try:
+            args = AsyncEngineArgs(
+                model=model, logprobs_mode=VLLM_LOGPROBS_MODES[mode], **engine_kwargs
+            )
+            llm = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise EngineUnavailableError(
+                f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        card = ModelCard(
+            name=name or model,
+            max_model_len=int(llm.model_config.max_model_len),
+            logprobs_mode=mode,
+            backend=BACKEND,
+        )
+        return cls(llm, card)
+
+    @property
+    def card(self) -> ModelCard:
+        return self._card
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        if len(prompt_ids) >= self._card.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
+                f"{self._card.max_model_len} and needs room for at least one more"
+            )
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        params = to_vllm_sampling(sampling, vllm)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        stream = self._llm.generate(prompt, params, request_id)
+        try:
+            while True:
+                try:
+                    output = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    raise EngineError(
+                        f"vLLM failed request {request_id}: {type(exc).__name__}: {exc}"
+                    ) from exc
+                chunk = chunk_from_output(output)
+                if chunk.finish_reason is None and not chunk.token_ids:
+                    continue
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()
+        raise EngineError(f"vLLM ended request {request_id} without a finish reason")
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def close(self) -> None:
+        self._llm.shutdown()
