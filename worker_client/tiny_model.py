@@ -11,7 +11,7 @@
 * a ChatML chat template with hermes-style tool calling (tools in the first system block,
   calls as ``<tool_call>{json}</tool_call>``, consecutive tool results grouped in one user
   block), prefix-stable after every assistant turn;
-* a ``Qwen2ForCausalLM`` with two layers of width 64 and a 131072-token context window
+* a ``LlamaForCausalLM`` with two layers of width 64 and a 131072-token context window
   (real agents send 20k-token system prompts, which this small vocabulary turns into
   several times more tokens).
 
@@ -373,7 +373,7 @@ def _training_sequences(
     return out
 
 
-IMPRINT_STEPS = 150
+IMPRINT_STEPS = 400
 
 
 def _imprint(model: Any, tokenizer: Any, rng: random.Random, steps: int) -> None:
@@ -405,14 +405,14 @@ def _imprint(model: Any, tokenizer: Any, rng: random.Random, steps: int) -> None
 def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> Path:
     """Write the tiny model to ``out_dir`` (replacing it atomically) and return the path."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     rng = random.Random(seed)
     tokenizer = _train_tokenizer(rng)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=192,
@@ -430,7 +430,7 @@ def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> P
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reductions on every machine
     try:
-        model = Qwen2ForCausalLM(config).float()  # type: ignore[no-untyped-call]
+        model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
         if imprint:
             _imprint(model, tokenizer, rng, IMPRINT_STEPS)
     finally:
