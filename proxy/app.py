@@ -64,4 +64,10 @@ def build_app(config: ProxyConfig) -> web.Application:
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
     responses_routes.add_routes(app)
+    app.on_shutdown.append(_disconnect_workers)
     return app
+
+
+async def _disconnect_workers(app: web.Application) -> None:
+    # Without this, shutting down waits for each worker socket's heartbeat to time out.
+    await app[POOL].disconnect_all("proxy shutting down")

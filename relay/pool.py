@@ -219,6 +219,13 @@ class WorkerPool:
         log.info("worker %s joined with models %s", handle.worker_id, sorted(handle.models))
         await self._notify()
 
+    async def disconnect_all(self, reason: str) -> None:
+        """Close every worker's connection (the proxy is shutting down); the endpoint's
+        handlers then remove the workers as their sockets end."""
+        for handle in list(self.workers.values()):
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await handle.link.close(reason)
+
     async def remove_worker(self, handle: WorkerHandle, reason: str) -> None:
         """Forget a worker; re-dispatch every request it had in flight."""
         if self.workers.get(handle.worker_id) is not handle:

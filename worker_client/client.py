@@ -97,7 +97,6 @@ class WorkerClient:
         self.max_frame_bytes = max_frame_bytes
         self.connected = asyncio.Event()
         self._rng = random.Random()
-        self._request_models: dict[str, ServedModel] = {}
         self._hello_models = [
             protocol.ModelInfo(
                 name=name,
@@ -168,9 +167,11 @@ class WorkerClient:
                     running[rid] = task
                     task.add_done_callback(functools.partial(_forget, running, rid))
                 elif isinstance(message, protocol.Cancel):
-                    served = self._request_models.get(message.request_id)
-                    if served is not None:
-                        await served.engine.abort(message.request_id)
+                    # Cancelling the task covers a request whose task has not started yet
+                    # as well as one mid-stream (_run_request then aborts the engine).
+                    pending = running.get(message.request_id)
+                    if pending is not None:
+                        pending.cancel()
                 elif isinstance(message, protocol.Ping):
                     await ws.send(protocol.encode(protocol.Pong(message.nonce)))
                 elif isinstance(message, protocol.Error):
@@ -202,7 +203,7 @@ class WorkerClient:
             stop_token_ids=tuple(s.stop_token_ids),
         )
         prompt = protocol.unpack_ids(message.prompt_ids)
-        self._request_models[rid] = served
+        finished = False
         try:
             stream = served.engine.generate(rid, prompt, sampling)
             async for chunk in stream:
@@ -224,19 +225,19 @@ class WorkerClient:
                     protocol.pack_logprobs(chunk.logprobs),
                     dict(chunk.extra),
                 )
+                finished = True
                 await ws.send(endpoint.finish(done))
                 return
             raise EngineError("engine stream ended without a finish reason")
         except asyncio.CancelledError:
-            await served.engine.abort(rid)
+            if not finished:  # an engine keeps no state for a request it has finished
+                await served.engine.abort(rid)
             raise
         except PromptTooLongError as exc:
             await ws.send(endpoint.finish(protocol.Error("prompt_too_long", str(exc), rid)))
         except EngineError as exc:
             log.exception("engine failed on %s", rid)
             await ws.send(endpoint.finish(protocol.Error("engine_error", str(exc), rid)))
-        finally:
-            self._request_models.pop(rid, None)
 
 
 def _forget(running: dict[str, asyncio.Task[None]], rid: str, _task: object) -> None:

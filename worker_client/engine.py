@@ -87,7 +87,8 @@ class Engine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None:
-        """Stop a running request; its stream ends with ``FinishReason.ABORT``."""
+        """Stop a queued or running request; its stream ends with ``FinishReason.ABORT``.
+        An id the engine is not serving is ignored (ids may be reused later)."""
         ...
 
     async def close(self) -> None: ...

@@ -212,6 +212,7 @@ class HFEngine:
                     generator.manual_seed(sampling.seed)
                 else:
                     generator.seed()
+                keep = True
                 try:
                     for produced in range(1, limit + 1):
                         if request_id in self._aborted:
@@ -228,14 +229,21 @@ class HFEngine:
                             yield TokenChunk([token], [logprob], FinishReason.LENGTH)
                             return
                         yield TokenChunk([token], [logprob])
+                except Exception:
+                    keep = False  # a forward that failed half-way leaves the cache unusable
+                    raise
                 finally:
-                    self._keep(entry)
+                    if keep:
+                        self._keep(entry)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        # Only requests that are queued or running: remembering any other id would abort
+        # a later request that reuses it (a restarted proxy numbers its requests anew).
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,399 @@
+"""The worker's connection to a real proxy on loopback: backoff, tokenizer files, hello
+and refusal, reconnection, and cancellation reaching the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from proxy.appkeys import POOL
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_proxy
+from relay import protocol
+from relay.exceptions import RelayError, WorkerFailedError
+from relay.pool import FinishedEvent, RelayCall, RestartedEvent, TokensEvent, WorkerPool
+from worker_client.backends.hf import HFEngine
+from worker_client.client import (
+    TOKENIZER_FILES,
+    ServedModel,
+    WorkerClient,
+    backoff_delay,
+    collect_tokenizer_files,
+)
+from worker_client.exceptions import ConnectionRefusedByProxy, EngineError
+
+TOKEN = "t"
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def test_backoff_delay_is_bounded_full_jitter() -> None:
+    """Every delay lies in [0, min(cap, base * 2**attempt)], and the delays spread over
+    that whole range (full jitter)."""
+    rng = random.Random(1234)
+    for base, cap in ((0.5, 30.0), (0.1, 2.0)):
+        for attempt in range(0, 16):
+            bound = min(cap, base * 2**attempt)
+            delays = [backoff_delay(attempt, base=base, cap=cap, rng=rng) for _ in range(300)]
+            assert all(0.0 <= d <= bound for d in delays), (base, cap, attempt)
+            assert min(delays) < 0.1 * bound
+            assert max(delays) > 0.9 * bound
+    assert 0.0 <= backoff_delay(10_000, rng=rng) <= 30.0
+
+
+def test_backoff_delay_grows_with_attempts() -> None:
+    """The mean delay doubles with each attempt until it reaches the cap."""
+    rng = random.Random(99)
+    means = [
+        statistics.fmean(backoff_delay(a, base=0.5, cap=30.0, rng=rng) for _ in range(2000))
+        for a in range(9)
+    ]
+    for a in range(6):  # 0.5 * 2**6 = 32 > 30: capped from attempt 6 on
+        assert means[a + 1] > 1.6 * means[a], means
+    assert abs(means[7] - 15.0) < 1.5
+    assert abs(means[8] - 15.0) < 1.5
+
+
+def test_backoff_delay_is_reproducible_with_a_seeded_rng() -> None:
+    """The jitter comes only from the given rng."""
+    a = [backoff_delay(n, rng=random.Random(5)) for n in range(10)]
+    b = [backoff_delay(n, rng=random.Random(5)) for n in range(10)]
+    assert a == b
+
+
+def test_collect_tokenizer_files_reads_tokenizer_not_weights(tiny_model_dir: Path) -> None:
+    """The tokenizer, its config, chat template and model configs are shipped byte for
+    byte; the weights are not."""
+    files = collect_tokenizer_files(tiny_model_dir)
+    expected = {
+        p.name for p in tiny_model_dir.iterdir() if p.is_file() and p.name in TOKENIZER_FILES
+    }
+    assert set(files) == expected
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(files)
+    assert "model.safetensors" not in files
+    for name, data in files.items():
+        assert data == (tiny_model_dir / name).read_bytes()
+
+
+def test_collect_tokenizer_files_refuses_a_directory_without_a_tokenizer(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A directory with configs and weights but no tokenizer raises EngineError; so does a
+    missing directory."""
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(EngineError):
+        collect_tokenizer_files(tmp_path)
+    with pytest.raises(EngineError):
+        collect_tokenizer_files(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_model_dir: Path) -> AsyncIterator[HFEngine]:
+    loaded = HFEngine.load(tiny_model_dir, name="tiny")
+    yield loaded
+    await loaded.close()
+
+
+@pytest.fixture
+async def endless(engine: HFEngine) -> AsyncIterator[HFEngine]:
+    """The same weights without eos tokens: a generation only ends at max_tokens (or the
+    131072-token window), so a request that is not aborted runs for many minutes. A fresh
+    engine per test: no abort state leaks from one test into the next."""
+    e = HFEngine(engine.model, name="endless", max_model_len=131072, eos_token_ids=())
+    yield e
+    await e.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model_dir: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids: list[int] = tokenizer.encode(
+        "<|im_start|>user\nList the files.<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    return ids
+
+
+@pytest.fixture
+def models(engine: HFEngine, endless: HFEngine, tiny_model_dir: Path) -> dict[str, ServedModel]:
+    return {
+        "tiny": ServedModel(engine, tiny_model_dir),
+        "endless": ServedModel(endless, tiny_model_dir),
+    }
+
+
+def _config(
+    tmp_path: Path, port: int = 0, wait: float = 30.0, heartbeat: float = 10.0
+) -> ProxyConfig:
+    return ProxyConfig(
+        port=port,
+        cache_dir=tmp_path / "proxy-cache",
+        worker_token=TOKEN,
+        worker_wait_seconds=wait,
+        heartbeat_seconds=heartbeat,
+    )
+
+
+# Stopping a proxy while a worker is connected takes about 1.5 heartbeats (nothing closes
+# the worker sockets on shutdown; see test_stopping_the_proxy_drops_its_workers_promptly),
+# so tests that stop a proxy under a connected worker use a short heartbeat.
+_SHORT_HEARTBEAT = 1.0
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    running = await start_proxy(_config(tmp_path))
+    yield running
+    await running.stop()
+
+
+@contextlib.asynccontextmanager
+async def _running(client: WorkerClient) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(client.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _collect(call: RelayCall) -> tuple[list[int], list[float], FinishedEvent]:
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    async for event in call.events():
+        if isinstance(event, TokensEvent):
+            tokens += event.token_ids
+            logprobs += event.logprobs
+        elif isinstance(event, RestartedEvent):
+            tokens, logprobs = [], []
+        else:
+            return tokens, logprobs, event
+    raise AssertionError("events ended without FinishedEvent")
+
+
+async def _generate(
+    pool: WorkerPool, model: str, prompt_ids: Sequence[int], **sampling: Any
+) -> tuple[list[int], list[float], FinishedEvent]:
+    call = await pool.start(model, prompt_ids, protocol.Sampling(**sampling))
+    return await asyncio.wait_for(_collect(call), 20)
+
+
+async def _first_tokens(call: RelayCall, count: int) -> None:
+    """Wait until the call has streamed ``count`` tokens."""
+    received = 0
+    async with contextlib.aclosing(call.events()) as events:
+        async for event in events:
+            assert isinstance(event, TokensEvent)
+            received += len(event.token_ids)
+            if received >= count:
+                return
+
+
+def _port(running: RunningProxy) -> int:
+    return int(running.url.rsplit(":", 1)[1])
+
+
+# ---------------------------------------------------------------------------- with a proxy
+
+
+async def test_connects_and_pool_lists_its_models(
+    proxy: RunningProxy, models: dict[str, ServedModel], engine: HFEngine, prompt: list[int]
+) -> None:
+    """The worker connects, the pool lists its models with their card and tokenizer files,
+    and a request relayed through the pool returns the engine's exact tokens and
+    logprobs."""
+    client = WorkerClient(proxy.worker_url, models, token=TOKEN, worker_id="w-connect")
+    async with _running(client) as task:
+        await asyncio.wait_for(client.connected.wait(), 30)
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        assert set(pool.workers) == {"w-connect"}
+        served = pool.served_models()
+        assert set(served) == {"tiny", "endless"}
+        assert served["tiny"].max_model_len == 131072
+        assert served["tiny"].backend == "hf"
+        assert served["tiny"].logprobs_mode == "raw"
+        assert "model.safetensors" not in served["tiny"].tokenizer_files
+        assert "tokenizer.json" in served["tiny"].tokenizer_files
+        assert pool.workers["w-connect"].max_concurrency == client.max_concurrency
+
+        tokens, logprobs, finished = await _generate(pool, "tiny", prompt, max_tokens=8, seed=3)
+        assert finished.worker_id == "w-connect"
+        assert finished.finish_reason in ("length", "stop")
+        assert 1 <= len(tokens) <= 8
+        scored = engine.score(prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, scored, strict=True)) < 1e-4
+        assert not task.done()
+
+
+async def test_engine_errors_are_relayed_per_request(
+    proxy: RunningProxy, models: dict[str, ServedModel], prompt: list[int]
+) -> None:
+    """A prompt too long for the window and an empty prompt fail only their own request
+    (prompt_too_long / engine_error); the worker stays connected and serves the next."""
+    client = WorkerClient(proxy.worker_url, models, token=TOKEN, worker_id="w-errors")
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        with pytest.raises(WorkerFailedError) as info:
+            await _generate(pool, "tiny", [5] * 131072, max_tokens=4)
+        assert info.value.code == "prompt_too_long"
+        with pytest.raises(WorkerFailedError) as info:
+            await _generate(pool, "tiny", [], max_tokens=4)
+        assert info.value.code == "engine_error"
+        tokens, _, finished = await _generate(pool, "endless", prompt, max_tokens=3, seed=1)
+        assert (len(tokens), finished.finish_reason) == (3, "length")
+        assert set(pool.workers) == {"w-errors"}
+
+
+async def test_wrong_token_is_refused_promptly(
+    proxy: RunningProxy, models: dict[str, ServedModel]
+) -> None:
+    """A worker with a wrong token gets ConnectionRefusedByProxy from run() at once (no
+    retry loop) and never joins the pool."""
+    client = WorkerClient(proxy.worker_url, models, token="wrong", worker_id="w-bad")
+    started = time.monotonic()
+    with pytest.raises(ConnectionRefusedByProxy, match="unauthorized"):
+        await asyncio.wait_for(client.run(), 10)
+    assert time.monotonic() - started < 5
+    assert not client.connected.is_set()
+    assert proxy.app[POOL].workers == {}
+
+
+async def test_reconnects_to_a_restarted_proxy_on_the_same_port(
+    tmp_path: Path, models: dict[str, ServedModel], prompt: list[int]
+) -> None:
+    """When the proxy goes away and a new one listens on the same port, the worker
+    reconnects by itself and serves a request on the new proxy."""
+    first = await start_proxy(_config(tmp_path, heartbeat=_SHORT_HEARTBEAT))
+    port = _port(first)
+    client = WorkerClient(first.worker_url, models, token=TOKEN, worker_id="w-again")
+    second: RunningProxy | None = None
+    try:
+        async with _running(client) as task:
+            await first.wait_for_workers(1, within_seconds=30)
+            await first.stop()
+            for _ in range(200):  # the client notices the drop
+                if not client.connected.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            assert not client.connected.is_set()
+            assert not task.done()
+
+            second = await start_proxy(_config(tmp_path, port))
+            assert _port(second) == port
+            await second.wait_for_workers(1, within_seconds=30)
+            pool = second.app[POOL]
+            assert set(pool.workers) == {"w-again"}
+            tokens, _, finished = await _generate(pool, "endless", prompt, max_tokens=5, seed=2)
+            assert (len(tokens), finished.finish_reason) == (5, "length")
+            assert finished.worker_id == "w-again"
+            assert not task.done()
+    finally:
+        if second is not None:
+            await second.stop()
+
+
+async def test_cancelling_a_call_mid_generation_aborts_the_engine(
+    proxy: RunningProxy, models: dict[str, ServedModel], prompt: list[int]
+) -> None:
+    """RelayCall.cancel() during streaming makes the worker abort the engine's request
+    (which would otherwise run for minutes): the worker's next request on the same
+    single-request engine completes at once."""
+    client = WorkerClient(proxy.worker_url, models, token=TOKEN, worker_id="w-cancel")
+    async with _running(client) as task:
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        call = await pool.start("endless", prompt, protocol.Sampling(max_tokens=100_000, seed=1))
+        await _first_tokens(call, 3)
+        await call.cancel()
+        assert pool.in_flight == 0
+
+        tokens, _, finished = await asyncio.wait_for(
+            _generate(pool, "endless", prompt, max_tokens=4, seed=2), 10
+        )
+        assert (len(tokens), finished.finish_reason) == (4, "length")
+        assert not task.done()
+        assert set(pool.workers) == {"w-cancel"}
+
+
+async def test_cancelling_a_call_right_after_start_aborts_the_engine(
+    proxy: RunningProxy, models: dict[str, ServedModel], prompt: list[int]
+) -> None:
+    """RelayCall.cancel() immediately after pool.start() (the agent disconnected at once)
+    still aborts the engine's request: the next request completes at once."""
+    client = WorkerClient(proxy.worker_url, models, token=TOKEN, worker_id="w-cancel-early")
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        call = await pool.start("endless", prompt, protocol.Sampling(max_tokens=100_000, seed=1))
+        await call.cancel()
+        tokens, _, finished = await asyncio.wait_for(
+            _generate(pool, "endless", prompt, max_tokens=4, seed=2), 8
+        )
+        assert (len(tokens), finished.finish_reason) == (4, "length")
+
+
+async def test_restarted_proxy_request_ids_are_not_aborted_by_stale_state(
+    tmp_path: Path, models: dict[str, ServedModel], prompt: list[int]
+) -> None:
+    """A worker that lost its proxy in the middle of a generation serves the new proxy's
+    requests normally, even though the new pool numbers its requests from req-1 again."""
+    first = await start_proxy(_config(tmp_path, wait=0.5, heartbeat=_SHORT_HEARTBEAT))
+    port = _port(first)
+    client = WorkerClient(first.worker_url, models, token=TOKEN, worker_id="w-stale")
+    second: RunningProxy | None = None
+    try:
+        async with _running(client):
+            await first.wait_for_workers(1, within_seconds=30)
+            call = await first.app[POOL].start(
+                "endless", prompt, protocol.Sampling(max_tokens=100_000, seed=1)
+            )
+            assert call.request_id == "req-1"
+            await _first_tokens(call, 2)
+            await first.stop()
+            # The lost call is re-dispatched, finds no worker and fails.
+            with pytest.raises(RelayError):
+                await asyncio.wait_for(_collect(call), 10)
+
+            second = await start_proxy(_config(tmp_path, port))
+            await second.wait_for_workers(1, within_seconds=30)
+            call = await second.app[POOL].start(
+                "endless", prompt, protocol.Sampling(max_tokens=4, seed=2)
+            )
+            assert call.request_id == "req-1"
+            tokens, _, finished = await asyncio.wait_for(_collect(call), 10)
+            assert (len(tokens), finished.finish_reason) == (4, "length")
+    finally:
+        if second is not None:
+            await second.stop()
+
+
+async def test_stopping_the_proxy_drops_its_workers_promptly(
+    tmp_path: Path, models: dict[str, ServedModel]
+) -> None:
+    """RunningProxy.stop() with a connected (idle) worker returns within a couple of
+    seconds and the worker notices the drop."""
+    running = await start_proxy(_config(tmp_path, heartbeat=4.0))
+    client = WorkerClient(running.worker_url, models, token=TOKEN, worker_id="w-stop")
+    async with _running(client):
+        await running.wait_for_workers(1, within_seconds=30)
+        stopping = asyncio.create_task(running.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=2.0)
+        await stopping  # let it finish either way
+        assert done, "RunningProxy.stop() took longer than 2 s"
+        assert not client.connected.is_set()
