@@ -8,9 +8,10 @@ that talks to the pool and writes turns into sessions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from array import array
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import shortuuid
 
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
+from proxy.chat.stops import StopMatcher
 from proxy.exceptions import (
     ContextLengthError,
     ProxyError,
@@ -28,10 +30,17 @@ from proxy.models import ModelRegistry, ServedModel
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_turn
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
-from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream
+from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream, get_parser
 from relay import protocol
 from relay.exceptions import NoWorkerAvailableError, RelayError, WorkerFailedError
-from relay.pool import FinishedEvent, RelayCall, RestartedEvent, TokensEvent, WorkerPool
+from relay.pool import (
+    FinishedEvent,
+    RelayCall,
+    RestartedEvent,
+    TokensEvent,
+    WorkerId,
+    WorkerPool,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +50,10 @@ class TurnRequest:
     messages: Sequence[ChatMessage]
     tools: Sequence[Tool]
     sampling: AgentSampling
+    # Generation ends when the text contains one of these; it is not part of the reply.
+    stop: tuple[str, ...] = ()
+    # "auto" | "none" (tool calls are not parsed) | "required" | a tool's name.
+    tool_choice: str = "auto"
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,9 +62,10 @@ class TurnResult:
     model: str
     content: str
     tool_calls: tuple[ToolCall, ...]
-    finish_reason: str  # engine-level: stop | length | abort
+    finish_reason: str  # stop | length | abort | stop_sequence
     prompt_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # which stop string ended the generation
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,14 +170,31 @@ class TurnService:
                 return event.result
         raise UpstreamError("the turn ended without a result")  # pragma: no cover
 
+    @contextlib.asynccontextmanager
+    async def streaming(
+        self, prepared: PreparedTurn
+    ) -> AsyncIterator[AsyncGenerator[TurnEvent, None]]:
+        """``stream(prepared)`` for a response writer, cleaned up however the writer ends.
+
+        A generator that never started (the client left before the first event) runs none
+        of its own cleanup, so the call is cancelled here too (a no-op once finished)."""
+        events = self.stream(prepared)
+        try:
+            yield events
+        finally:
+            await events.aclose()
+            await prepared.call.cancel()
+
     async def stream(self, prepared: PreparedTurn) -> AsyncGenerator[TurnEvent, None]:
         """Events as the worker samples; the turn is recorded before ``TurnDone``.
 
         If the consumer goes away (the agent disconnected), the generation is cancelled on
         the worker and what was sampled so far is recorded as a truncated turn."""
         renderer = prepared.served.renderer
+        request = prepared.request
         detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
-        parser = renderer.parser.stream(_tool_schemas(prepared.request.tools))
+        parser = self._parser(prepared)
+        stopper = StopMatcher(request.stop)
         logprobs: list[float] = []
         calls: list[ToolCall] = []
         shown = False
@@ -173,10 +204,16 @@ class TurnService:
                 async for event in prepared.call.events():
                     if isinstance(event, TokensEvent):
                         logprobs.extend(event.logprobs)
-                        text = detok.push(event.token_ids)
+                        text = stopper.feed(detok.push(event.token_ids))
                         for out in self._parsed(parser.feed(text) if text else [], calls):
                             shown = True
                             yield out
+                        if stopper.hit is not None:
+                            await prepared.call.cancel()
+                            finished = FinishedEvent(
+                                "stop_sequence", prepared.call.worker_id or WorkerId(""), {}
+                            )
+                            break
                     elif isinstance(event, RestartedEvent):
                         if shown:
                             await prepared.call.cancel()
@@ -185,7 +222,8 @@ class TurnService:
                                 code="worker_lost",
                             )
                         detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
-                        parser = renderer.parser.stream(_tool_schemas(prepared.request.tools))
+                        parser = self._parser(prepared)
+                        stopper = StopMatcher(request.stop)
                         logprobs.clear()
                     else:
                         finished = event
@@ -203,14 +241,30 @@ class TurnService:
             raise
         if finished is None:
             raise UpstreamError("the worker stream ended without finishing")
-        tail = detok.flush()
-        events, parsed = parser.finish() if not tail else _finish_with(parser, tail)
+        tail = "" if stopper.hit is not None else stopper.feed(detok.flush()) + stopper.flush()
+        events, parsed = _finish_with(parser, tail)
         for out in self._parsed(events, calls):
             yield out
         result = self._record(
-            prepared, detok.ids, logprobs, finished, parsed, truncated=False, streamed=calls
+            prepared,
+            detok.ids,
+            logprobs,
+            finished,
+            parsed,
+            truncated=False,
+            streamed=calls,
+            stop_sequence=stopper.hit,
         )
         yield TurnDone(result)
+
+    @staticmethod
+    def _parser(prepared: PreparedTurn) -> ToolCallStream:
+        parser = prepared.served.renderer.parser
+        if prepared.request.tool_choice == "none" or not prepared.request.tools:
+            # Without tools there is nothing to call; with tool_choice "none" the tools
+            # stay rendered but calls are not parsed.
+            parser = get_parser("none")
+        return parser.stream(_tool_schemas(prepared.request.tools))
 
     @staticmethod
     def _parsed(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
@@ -233,6 +287,7 @@ class TurnService:
         *,
         truncated: bool,
         streamed: Sequence[ToolCall] = (),
+        stop_sequence: str | None = None,
     ) -> TurnResult:
         session, plan, renderer = prepared.session, prepared.plan, prepared.served.renderer
         if parsed is None:
@@ -243,6 +298,11 @@ class TurnService:
             for i, c in enumerate(parsed.tool_calls)
         )
         returned = ChatMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
+        choice = prepared.request.tool_choice
+        unmet = (choice == "required" and not tool_calls) or (
+            choice not in {"auto", "none", "required"}
+            and not any(c.name == choice for c in tool_calls)
+        )
         call = prepared.call
         dispatched = call.started_at or prepared.started
         finish = finished.finish_reason if finished is not None else "abort"
@@ -268,6 +328,8 @@ class TurnService:
                 tool_calls=len(tool_calls),
                 malformed_tool_call=parsed.malformed,
                 truncated=truncated,
+                stop_sequence=stop_sequence,
+                tool_choice_unmet=unmet,
                 extra=dict(finished.extra) if finished is not None else {},
             ),
         )
@@ -281,6 +343,7 @@ class TurnService:
             finish_reason=finish,
             prompt_tokens=len(plan.prompt_ids),
             completion_tokens=len(ids),
+            stop_sequence=stop_sequence,
         )
 
 
@@ -293,7 +356,7 @@ def _tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
 
 
 def _finish_with(parser: ToolCallStream, tail: str) -> tuple[list[StreamEvent], ParsedOutput]:
-    events = parser.feed(tail)
+    events = parser.feed(tail) if tail else []
     more, parsed = parser.finish()
     return events + more, parsed
 

@@ -56,6 +56,8 @@ class TurnMeta:
     tool_calls: int = 0
     malformed_tool_call: str | None = None
     truncated: bool = False  # the client went away before the reply was complete
+    stop_sequence: str | None = None  # the stop string that ended the reply
+    tool_choice_unmet: bool = False  # a tool call was required but the model made none
     extra: dict[str, str | int | float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -73,6 +75,8 @@ class TurnMeta:
             "tool_calls": self.tool_calls,
             "malformed_tool_call": self.malformed_tool_call,
             "truncated": self.truncated,
+            "stop_sequence": self.stop_sequence,
+            "tool_choice_unmet": self.tool_choice_unmet,
             "extra": self.extra,
         }
 

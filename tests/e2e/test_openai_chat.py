@@ -3,8 +3,11 @@ official ``openai`` client."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -114,3 +117,155 @@ async def test_models_endpoint_lists_served_model(
 async def test_health_and_readiness(stack: RunningProxy, proxy_client: ProxyClient) -> None:
     """/healthz is alive and /readyz is 200 while a worker is connected."""
     assert await proxy_client.ready()
+
+
+async def _stream_text(client: AsyncOpenAI, **kwargs: Any) -> tuple[str, list[Any]]:
+    chunks = [c async for c in await client.chat.completions.create(stream=True, **kwargs)]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+async def test_stream_equals_non_stream_for_the_same_seed(proxy_client: ProxyClient) -> None:
+    """Concatenated deltas equal the non-streamed text, and both record the same ids."""
+    trial = await proxy_client.create_session()
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 40,
+        "seed": 5,
+    }
+    async with _client(trial.base_url, trial.api_key) as client:
+        whole = await client.chat.completions.create(**kwargs)
+        text, chunks = await _stream_text(client, stream_options={"include_usage": True}, **kwargs)
+    assert text == (whole.choices[0].message.content or "")
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    export = await proxy_client.trajectories(trial.trial_id)
+    first, second = (t["response_ids"] for t in export["trajectories"])
+    assert first == second
+    assert len(export["trajectories"]) == 2  # two requests with the same messages: siblings
+
+
+async def test_stream_delivers_tokens_before_the_turn_ends(proxy_client: ProxyClient) -> None:
+    """The stream has one chunk per engine delta, not one synthesized at the end."""
+    trial = await proxy_client.create_session(sampling={"seed": 3})
+    async with _client(trial.base_url, trial.api_key) as client:
+        _, chunks = await _stream_text(
+            client, model="m", messages=[{"role": "user", "content": "go on"}], max_tokens=20
+        )
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 3
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length", "tool_calls"}
+
+
+async def test_disconnect_mid_stream_records_a_truncated_turn(
+    stack: RunningProxy, proxy_client: ProxyClient
+) -> None:
+    """A client that leaves mid-stream cancels the generation; the sampled part is kept."""
+    trial = await proxy_client.create_session(sampling={"seed": 1, "max_tokens": 60})
+    body = {"model": "m", "messages": [{"role": "user", "content": "long answer"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{trial.base_url}/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        await response.content.readline()  # the first chunk; then the client goes away
+    for _ in range(100):
+        summary = await proxy_client.get_session(trial.trial_id)
+        if summary["turns"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    (traj,) = (await proxy_client.trajectories(trial.trial_id))["trajectories"]
+    turn = traj["turns"][0]
+    assert turn["truncated"] is True
+    assert turn["finish_reason"] == "abort"
+    assert turn["completion_tokens"] < 60
+    assert stack.app[POOL].in_flight == 0
+
+
+async def test_stop_sequence_ends_the_reply(proxy_client: ProxyClient) -> None:
+    """A stop string cuts the reply before it; the sampled tokens are still recorded."""
+    trial = await proxy_client.create_session(sampling={"seed": 2})
+    async with _client(trial.base_url, trial.api_key) as client:
+        free = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "words"}], max_tokens=40
+        )
+        text = free.choices[0].message.content or ""
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        assert stop.strip()
+        cut = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "words"}], max_tokens=40, stop=[stop]
+        )
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    turns = [
+        t
+        for tr in (await proxy_client.trajectories(trial.trial_id))["trajectories"]
+        for t in tr["turns"]
+    ]
+    assert turns[1]["stop_sequence"] == stop
+    assert turns[1]["finish_reason"] == "stop_sequence"
+
+
+async def test_n_choices_are_sibling_branches(proxy_client: ProxyClient) -> None:
+    """n=3 returns three choices, each recorded as its own branch of the same context."""
+    trial = await proxy_client.create_session()
+    async with _client(trial.base_url, trial.api_key) as client:
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "pick"}], max_tokens=8, n=3, seed=4
+        )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    export = await proxy_client.trajectories(trial.trial_id)
+    assert len(export["trajectories"]) == 3
+    assert len({tuple(t["prompt_ids"]) for t in export["trajectories"]}) == 1
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == sum(
+        sum(t["response_mask"]) for t in export["trajectories"]
+    )
+
+
+async def test_logprobs_are_the_recorded_ones(proxy_client: ProxyClient) -> None:
+    """logprobs=true returns each sampled token with the logprob the trainer gets."""
+    trial = await proxy_client.create_session()
+    async with _client(trial.base_url, trial.api_key) as client:
+        reply = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=1,
+        )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    (traj,) = (await proxy_client.trajectories(trial.trial_id))["trajectories"]
+    assert [c.logprob for c in content] == pytest.approx(traj["response_logprobs"], abs=1e-6)
+
+
+async def test_tool_choice_none_returns_tool_markup_as_text(proxy_client: ProxyClient) -> None:
+    """With tool_choice none, nothing is parsed into tool calls."""
+    trial = await proxy_client.create_session()
+    async with _client(trial.base_url, trial.api_key) as client:
+        for seed in range(6):
+            reply = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "list the files"}],
+                tools=TOOLS,  # type: ignore[arg-type]
+                tool_choice="none",
+                max_tokens=40,
+                seed=seed,
+            )
+            assert not reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason in {"stop", "length"}
+
+
+async def test_tool_choice_naming_an_unknown_tool_is_400(proxy_client: ProxyClient) -> None:
+    """A forced function that is not among the tools is rejected."""
+    trial = await proxy_client.create_session()
+    async with _client(trial.base_url, trial.api_key) as client:
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "x"}],
+                tools=TOOLS,  # type: ignore[arg-type]
+                tool_choice={"type": "function", "function": {"name": "nope"}},
+            )

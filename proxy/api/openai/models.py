@@ -118,6 +118,30 @@ class ChatCompletionRequest(_Lenient):
     def internal_messages(self) -> list[ChatMessage]:
         return [m.to_internal(i) for i, m in enumerate(self.messages)]
 
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > 16:
+            raise BadRequestError("at most 16 stop sequences", code="invalid_request")
+        return stops
+
+    def tool_choice_name(self) -> str:
+        """``auto`` | ``none`` | ``required`` | the name of the forced function."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            if choice not in {"auto", "none", "required"}:
+                raise BadRequestError(f"unknown tool_choice {choice!r}", code="invalid_request")
+            return choice
+        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(name, str) or not any(t.function.name == name for t in self.tools or ()):
+            raise BadRequestError(
+                "tool_choice names a function that is not among the tools", code="invalid_request"
+            )
+        return name
+
     def internal_tools(self) -> list[Tool]:
         # Tools stay part of the context even with tool_choice "none": the template
         # rendered them, and the session's keys include them.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import shortuuid
@@ -21,12 +23,14 @@ from proxy.service import TextDelta, ToolCallReady, TurnEvent, TurnRequest, Turn
 def finish_reason(result: TurnResult) -> str:
     if result.finish_reason == "length":
         return "length"
+    if result.finish_reason == "stop_sequence":
+        return "stop"
     if result.tool_calls:
         return "tool_calls"
     return "stop"
 
 
-def chat_completion_body(result: TurnResult, created: int) -> dict[str, Any]:
+def choice_body(result: TurnResult, index: int, logprobs: dict[str, Any] | None) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": result.content if (result.content or not result.tool_calls) else None,
@@ -37,19 +41,37 @@ def chat_completion_body(result: TurnResult, created: int) -> dict[str, Any]:
             for c in result.tool_calls
         ]
     return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish_reason(result),
+        "logprobs": logprobs,
+    }
+
+
+def logprobs_body(result: TurnResult, tokenizer: Any) -> dict[str, Any]:
+    """Per-token logprobs of the sampled tokens. Workers report the sampled token's
+    logprob only, so ``top_logprobs`` lists just that token."""
+    content = []
+    for token_id, logprob in zip(result.node.completion_ids, result.node.logprobs, strict=True):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        content.append(entry | {"top_logprobs": [dict(entry)]})
+    return {"content": content}
+
+
+def chat_completion_body(
+    results: Sequence[TurnResult], created: int, tokenizer: Any = None
+) -> dict[str, Any]:
+    return {
         "id": f"chatcmpl-{shortuuid.uuid()}",
         "object": "chat.completion",
         "created": created,
-        "model": result.model,
+        "model": results[0].model,
         "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "finish_reason": finish_reason(result),
-                "logprobs": None,
-            }
+            choice_body(r, i, logprobs_body(r, tokenizer) if tokenizer is not None else None)
+            for i, r in enumerate(results)
         ],
-        "usage": usage(result),
+        "usage": usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results)),
     }
 
 
@@ -57,8 +79,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
     parsed = parse_json(ChatCompletionRequest, await request.read())
-    if parsed.n != 1:
-        raise BadRequestError("only n=1 is supported", code="unsupported")
+    if parsed.n > 1 and parsed.stream:
+        raise BadRequestError("n > 1 cannot be combined with stream", code="unsupported")
     turn = TurnRequest(
         api="openai.chat",
         requested_model=parsed.model,
@@ -71,14 +93,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             top_k=parsed.top_k,
             seed=parsed.seed,
         ),
+        stop=parsed.stop_strings(),
+        tool_choice=parsed.tool_choice_name(),
     )
     service = request.app[SERVICE]
     if not parsed.stream:
-        result = await service.run_turn(session, turn)
-        return json_response(chat_completion_body(result, int(time.time())))
+        # n > 1: each choice is its own turn (a sibling branch of the session's tree),
+        # with its own seed so the choices differ.
+        turns = [turn] + [
+            replace(turn, sampling=replace(turn.sampling, seed=turn.sampling.seed + i))
+            if turn.sampling.seed is not None
+            else turn
+            for i in range(1, parsed.n)
+        ]
+        results = await asyncio.gather(*(service.run_turn(session, t) for t in turns))
+        tokenizer = (
+            service.models.models[results[0].model].renderer.tokenizer if parsed.logprobs else None
+        )
+        return json_response(chat_completion_body(results, int(time.time()), tokenizer))
     prepared = await service.start(session, turn)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-    return await stream_chat_completion(request, service.stream(prepared), include_usage)
+    async with service.streaming(prepared) as events:
+        return await stream_chat_completion(request, events, include_usage)
 
 
 async def stream_chat_completion(
@@ -124,21 +160,25 @@ async def stream_chat_completion(
                 base["model"] = result.model
                 await stream.send(chunk({}, finish_reason(result)))
                 if include_usage:
-                    await stream.send(base | {"choices": [], "usage": usage(result)})
+                    await stream.send(
+                        base
+                        | {
+                            "choices": [],
+                            "usage": usage(result.prompt_tokens, result.completion_tokens),
+                        }
+                    )
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
         await stream.send(error_body(exc))
-    finally:
-        await events.aclose()
     await stream.send_raw(b"[DONE]")
     return await stream.close()
 
 
-def usage(result: TurnResult) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 

@@ -1,0 +1,44 @@
+"""Incremental detokenization: streamed text equals the whole reply's text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.chat.detokenizer import IncrementalDetokenizer
+from proxy.chat.renderer import ChatRenderer
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir: Path) -> ChatRenderer:
+    return ChatRenderer.from_directory(tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain words",
+        "héllo ✓ 你好 🙂 done",
+        '<tool_call>\n{"a": 1}\n</tool_call>',
+        "tabs\t\nand  spaces",
+    ],
+)
+def test_one_token_at_a_time_equals_full_decode(renderer: ChatRenderer, text: str) -> None:
+    """Pushing ids one by one never splits a character and adds up to the full text."""
+    ids = [*renderer.encode(text), renderer.stop_token_ids[0]]
+    detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+    pieces = [detok.push([i]) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == renderer.completion_text(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_token_in_the_middle_is_shown(renderer: ChatRenderer) -> None:
+    """A stop token is hidden only when it is the last token."""
+    stop = renderer.stop_token_ids[0]
+    ids = [*renderer.encode("a"), stop, *renderer.encode("b")]
+    detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+    text = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert text == renderer.completion_text(ids)
+    assert renderer.tokenizer.decode([stop]) in text
