@@ -1,1 +1,1 @@
-"""The anthropic API under ``/<trial_id>/v1/``."""
+"""The Anthropic Messages API under ``/<trial_id>/v1/``."""

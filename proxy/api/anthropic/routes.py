@@ -1,9 +1,270 @@
-"""Routes of this API family (filled in by its implementation)."""
+"""``/<trial_id>/v1/messages`` and ``/<trial_id>/v1/messages/count_tokens``.
+
+Claude Code appends ``/v1/messages?beta=true`` to its ``ANTHROPIC_BASE_URL``; the query
+and the ``anthropic-version`` / ``anthropic-beta`` / ``x-api-key`` headers are accepted
+and not needed. The stream follows Anthropic's event sequence
+(https://docs.anthropic.com/en/api/messages-streaming): ``message_start``, per content
+block ``content_block_start`` / ``content_block_delta`` / ``content_block_stop``, then
+``message_delta`` with the stop reason and ``message_stop``; every event carries its
+``event:`` line, which Claude Code requires.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import shortuuid
 from aiohttp import web
+
+from proxy.api.anthropic.errors import anthropic_error, error_body
+from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest
+from proxy.api.errors import json_response, parse_json, register_error_format
+from proxy.api.sse import EventStream
+from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
+from proxy.chat.messages import ChatMessage, ToolCall
+from proxy.exceptions import ProxyError, ServiceUnavailableError
+from proxy.models import ServedModel
+from proxy.service import (
+    PreparedTurn,
+    TextDelta,
+    ToolCallReady,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+)
+from proxy.sessions.model import Session
+
+# Renders bigger than this (characters of message text) run in a thread, as turns do.
+_LARGE_RENDER = 200_000
+
+
+def stop_reason(result: TurnResult) -> str:
+    if result.finish_reason == "length":
+        return "max_tokens"
+    if result.finish_reason == "stop_sequence":
+        return "stop_sequence"
+    if result.tool_calls:
+        return "tool_use"
+    return "end_turn"
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    # The tool-call parsers only emit JSON objects; anything else would be a parser bug.
+    value = json.loads(call.arguments)
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(result: TurnResult) -> list[dict[str, Any]]:
+    """The reply as content blocks. Sent back in the next request, they translate to
+    exactly the assistant message the session recorded, so the session continues."""
+    blocks: list[dict[str, Any]] = []
+    if result.content:
+        blocks.append({"type": "text", "text": result.content})
+    blocks.extend(
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c)}
+        for c in result.tool_calls
+    )
+    return blocks
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+
+
+def message_id() -> str:
+    return f"msg_{shortuuid.uuid()}"
+
+
+def message_body(result: TurnResult) -> dict[str, Any]:
+    return {
+        "id": message_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": result.model,
+        "content": content_blocks(result),
+        "stop_reason": stop_reason(result),
+        "stop_sequence": result.stop_sequence,
+        "usage": usage(result.prompt_tokens, result.completion_tokens),
+    }
+
+
+def _session(request: web.Request) -> Session:
+    return request.app[SESSIONS].get(request.match_info["trial_id"])
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    session = _session(request)
+    session.require_active()
+    parsed = parse_json(MessagesRequest, await request.read())
+    turn = TurnRequest(
+        api="anthropic.messages",
+        requested_model=parsed.model,
+        messages=parsed.internal_messages(),
+        tools=parsed.internal_tools(),
+        sampling=parsed.sampling(),
+        stop=parsed.stop_strings(),
+        tool_choice=parsed.tool_choice_name(),
+    )
+    service = request.app[SERVICE]
+    if not parsed.stream:
+        return json_response(message_body(await service.run_turn(session, turn)))
+    # Started before the stream opens: every client error is still a proper HTTP error.
+    prepared = await service.start(session, turn)
+    async with service.streaming(prepared) as events:
+        return await stream_message(request, prepared, events)
+
+
+class _BlockWriter:
+    """Content-block events of one streamed message, numbering the blocks."""
+
+    def __init__(self, stream: EventStream) -> None:
+        self.stream = stream
+        self.index = 0
+        self.text_open = False
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.stream.send(payload, event=str(payload["type"]))
+
+    async def text(self, text: str) -> None:
+        if not self.text_open:
+            await self.send(
+                {
+                    "type": "content_block_start",
+                    "index": self.index,
+                    "content_block": {"type": "text", "text": ""},
+                }
+            )
+            self.text_open = True
+        await self.send(
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "text_delta", "text": text},
+            }
+        )
+
+    async def close_text(self) -> None:
+        if self.text_open:
+            await self.send({"type": "content_block_stop", "index": self.index})
+            self.index += 1
+            self.text_open = False
+
+    async def tool_use(self, call: ToolCall) -> None:
+        await self.close_text()
+        await self.send(
+            {
+                "type": "content_block_start",
+                "index": self.index,
+                "content_block": {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": {},
+                },
+            }
+        )
+        # The call is complete when it is reported: its arguments go out in one delta.
+        await self.send(
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "input_json_delta", "partial_json": call.arguments},
+            }
+        )
+        await self.send({"type": "content_block_stop", "index": self.index})
+        self.index += 1
+
+
+async def stream_message(
+    request: web.Request, prepared: PreparedTurn, events: AsyncGenerator[TurnEvent, None]
+) -> web.StreamResponse:
+    """Anthropic stream events, one delta per engine delta."""
+    input_tokens = len(prepared.plan.prompt_ids)
+    try:
+        stream = await EventStream.open(request)
+        writer = _BlockWriter(stream)
+        await writer.send(
+            {
+                "type": "message_start",
+                "message": {
+                    "id": message_id(),
+                    "type": "message",
+                    "role": "assistant",
+                    "model": prepared.served.name,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage(input_tokens, 0),
+                },
+            }
+        )
+        async for event in events:
+            if isinstance(event, TextDelta):
+                await writer.text(event.text)
+            elif isinstance(event, ToolCallReady):
+                await writer.tool_use(event.call)
+            else:
+                result = event.result
+                await writer.close_text()
+                await writer.send(
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": stop_reason(result),
+                            "stop_sequence": result.stop_sequence,
+                        },
+                        "usage": usage(result.prompt_tokens, result.completion_tokens),
+                    }
+                )
+                await writer.send({"type": "message_stop"})
+    except ProxyError as exc:
+        # The stream has started: the error travels as an event, then the stream ends.
+        await stream.send(error_body(exc), event="error")
+    return await stream.close()
+
+
+async def _served_model(request: web.Request, session: Session, requested: str) -> ServedModel:
+    """The model a turn of this request would use (as the turn service resolves it)."""
+    served = await request.app[POOL].wait_for_models()
+    if not served:
+        raise ServiceUnavailableError(
+            "no worker connected",
+            retry_after=request.app[SERVICE].retry_after_seconds,
+            code="no_worker",
+        )
+    return request.app[MODELS].resolve(requested, session.model, set(served))
+
+
+def _large(messages: Sequence[ChatMessage]) -> bool:
+    return sum(len(m.content) for m in messages) > _LARGE_RENDER
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The length of a new branch's prompt for this request: the full rendering of the
+    system prompt, messages and tools. Nothing is recorded. A request that continues an
+    earlier turn reuses that turn's sampled ids instead of re-rendering them, so its real
+    prompt can differ by a few tokens."""
+    session = _session(request)
+    parsed = parse_json(CountTokensRequest, await request.read())
+    messages = parsed.internal_messages()
+    tools = parsed.internal_tools()
+    parsed.tool_choice_name()  # validated like a real request
+    renderer = (await _served_model(request, session, parsed.model)).renderer
+    if _large(messages):
+        ids = await asyncio.to_thread(renderer.render_conversation, messages, tools)
+    else:
+        ids = renderer.render_conversation(messages, tools)
+    return json_response({"input_tokens": len(ids)})
+
+
+# The error format is a process-wide table keyed by path suffix; register once.
+register_error_format("/v1/messages", anthropic_error)
+register_error_format("/v1/messages/count_tokens", anthropic_error)
 
 
 def add_routes(app: web.Application) -> None:
-    return None
+    app.router.add_post("/{trial_id}/v1/messages", create_message)
+    app.router.add_post("/{trial_id}/v1/messages/count_tokens", count_tokens)

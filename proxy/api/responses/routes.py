@@ -1,9 +1,113 @@
-"""Routes of this API family (filled in by its implementation)."""
+"""``/<trial_id>/v1/responses``: the OpenAI Responses API, which Codex speaks.
+
+Codex posts ``<base_url>/responses`` with ``stream: true`` and the whole conversation in
+``input`` (``store: false``); see ``models`` for what is accepted and ``output`` for the
+response and its events. Errors take the OpenAI shape (the default of ``api.errors``).
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncGenerator
+
 from aiohttp import web
+
+from proxy.api.errors import json_response, parse_json
+from proxy.api.responses.models import ResponsesRequest
+from proxy.api.responses.output import (
+    Event,
+    ResponseEcho,
+    ResponseHead,
+    ResponseStream,
+    new_id,
+    response_body,
+)
+from proxy.api.sse import EventStream
+from proxy.appkeys import SERVICE, SESSIONS
+from proxy.exceptions import ProxyError
+from proxy.sampling import AgentSampling
+from proxy.service import TextDelta, TurnDone, TurnEvent, TurnRequest
+
+
+def _echo(parsed: ResponsesRequest) -> ResponseEcho:
+    return ResponseEcho(
+        instructions=parsed.instructions,
+        tools=parsed.tools_echo(),
+        tool_choice=parsed.tool_choice_echo(),
+        parallel_tool_calls=parsed.parallel_tool_calls is not False,
+        max_output_tokens=parsed.max_output_tokens,
+        namespaces=parsed.namespaces(),
+    )
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    session.require_active()
+    parsed = parse_json(ResponsesRequest, await request.read())
+    parsed.check_supported()
+    turn = TurnRequest(
+        api="openai.responses",
+        requested_model=parsed.model,
+        messages=parsed.internal_messages(),
+        tools=parsed.internal_tools(),
+        sampling=AgentSampling(
+            max_tokens=parsed.max_output_tokens,
+            temperature=parsed.temperature,
+            top_p=parsed.top_p,
+        ),
+        tool_choice=parsed.tool_choice_name(),
+    )
+    echo = _echo(parsed)
+    created_at = int(time.time())
+    service = request.app[SERVICE]
+    if not parsed.stream:
+        result = await service.run_turn(session, turn)
+        sampling = result.node.meta.sampling
+        head = ResponseHead(
+            new_id("resp"),
+            created_at,
+            result.model,
+            float(sampling["temperature"]),
+            float(sampling["top_p"]),
+            echo,
+        )
+        return json_response(response_body(head, result))
+    # Started before the stream opens: every client error is still a proper HTTP error.
+    prepared = await service.start(session, turn)
+    head = ResponseHead(
+        new_id("resp"),
+        created_at,
+        prepared.served.name,
+        prepared.sampling.temperature,
+        prepared.sampling.top_p,
+        echo,
+    )
+    async with service.streaming(prepared) as events:
+        return await stream_response(request, ResponseStream(head), events)
+
+
+async def stream_response(
+    request: web.Request, writer: ResponseStream, events: AsyncGenerator[TurnEvent, None]
+) -> web.StreamResponse:
+    stream = await EventStream.open(request)
+
+    async def send(batch: list[Event]) -> None:
+        for kind, payload in batch:
+            await stream.send(payload, event=kind)
+
+    try:
+        await send(writer.start())
+        async for event in events:
+            if isinstance(event, TextDelta):
+                await send(writer.text(event.text))
+            elif isinstance(event, TurnDone):
+                await send(writer.finish(event.result))
+            # ToolCallReady: the calls are sent from the result (see ``output``).
+    except ProxyError as exc:
+        # The stream has started: the error travels as an event, then the stream ends.
+        await send(writer.fail(exc))
+    return await stream.close()
 
 
 def add_routes(app: web.Application) -> None:
-    return None
+    app.router.add_post("/{trial_id}/v1/responses", create_response)

@@ -1,0 +1,238 @@
+"""Wire models of the Anthropic Messages API and their translation to the internal model.
+
+Validated at the boundary only, leniently: fields the proxy has no use for (``metadata``,
+``thinking``, ``context_management``, ``output_config``, ``cache_control`` on blocks, ...)
+are ignored. Translation rules, chosen so that a reply the proxy returned comes back as
+exactly the assistant message it recorded (otherwise the session would branch):
+
+* ``system`` (a string or text blocks) becomes the first message, role ``system``; blocks
+  are joined with a blank line (``"\\n\\n"``). A message with role ``system`` inside
+  ``messages`` (Claude Code sends one mid-conversation) stays a system message there.
+* A user message's ``tool_result`` blocks become ``tool`` messages, in order; its text
+  blocks, joined with a blank line, become one user message after them.
+* An assistant message's text blocks are concatenated with no separator (they are pieces
+  of one sampled reply: a streamed reply can carry text after its ``tool_use`` blocks),
+  and its ``tool_use`` blocks become tool calls with ``json.dumps(input)`` arguments.
+* ``thinking`` / ``redacted_thinking`` blocks are dropped (the proxy never returns any);
+  ``is_error`` on a tool result is ignored (agents say so in the result's text).
+  Images, documents and every other block type are refused with a 400.
+* Tools with a ``type`` other than ``custom`` are Anthropic server tools
+  (``web_search_20250305``, ...) that a chat template cannot run: they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.chat.messages import ChatMessage, Tool, ToolCall
+from proxy.exceptions import BadRequestError
+from proxy.sampling import AgentSampling
+
+# Between the text blocks of a system prompt, a user message or a tool result.
+BLOCK_SEPARATOR = "\n\n"
+
+_DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentBlock(_Lenient):
+    """Any content block; which fields a type needs is checked during translation."""
+
+    type: str
+    text: str | None = None
+    # tool_use
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    # tool_result
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
+
+
+class MessageIn(_Lenient):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class ToolIn(_Lenient):
+    type: str | None = None  # absent or "custom": a client tool; anything else: a server tool
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+    @property
+    def is_custom(self) -> bool:
+        return self.type in {None, "custom"}
+
+
+class ToolChoiceIn(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+def _unsupported(where: str, kind: str) -> BadRequestError:
+    return BadRequestError(
+        f"{where}: {kind} blocks are not supported by this proxy", code="unsupported_content"
+    )
+
+
+def _text_of(block: ContentBlock, where: str) -> str:
+    if block.text is None:
+        raise BadRequestError(f"{where}: a text block needs text", code="invalid_request")
+    return block.text
+
+
+def _joined_text(content: str | list[ContentBlock], where: str) -> str:
+    """A system prompt, a system message or a tool result: text blocks only."""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        if block.type == "text":
+            texts.append(_text_of(block, f"{where}.{j}"))
+        elif block.type not in _DROPPED_BLOCKS:
+            raise _unsupported(f"{where}.{j}", block.type)
+    return BLOCK_SEPARATOR.join(texts)
+
+
+def _user_messages(content: str | list[ContentBlock], where: str) -> list[ChatMessage]:
+    if isinstance(content, str):
+        return [ChatMessage(role="user", content=content)]
+    results: list[ChatMessage] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        if block.type == "text":
+            texts.append(_text_of(block, at))
+        elif block.type == "tool_result":
+            if not block.tool_use_id:
+                raise BadRequestError(
+                    f"{at}: a tool_result block needs tool_use_id", code="invalid_request"
+                )
+            text = _joined_text(block.content, f"{at}.content") if block.content else ""
+            results.append(ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id))
+        elif block.type == "tool_use":
+            raise BadRequestError(
+                f"{at}: only assistant messages carry tool_use blocks", code="invalid_message"
+            )
+        elif block.type not in _DROPPED_BLOCKS:
+            raise _unsupported(at, block.type)
+    if texts or not results:
+        results.append(ChatMessage(role="user", content=BLOCK_SEPARATOR.join(texts)))
+    return results
+
+
+def _assistant_message(content: str | list[ContentBlock], where: str) -> ChatMessage:
+    if isinstance(content, str):
+        return ChatMessage(role="assistant", content=content)
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        if block.type == "text":
+            texts.append(_text_of(block, at))
+        elif block.type == "tool_use":
+            if not block.id or not block.name:
+                raise BadRequestError(
+                    f"{at}: a tool_use block needs id and name", code="invalid_request"
+                )
+            arguments = json.dumps(block.input or {}, ensure_ascii=False)
+            calls.append(ToolCall(block.id, block.name, arguments))
+        elif block.type == "tool_result":
+            raise BadRequestError(
+                f"{at}: tool_result blocks belong in user messages", code="invalid_message"
+            )
+        elif block.type not in _DROPPED_BLOCKS:
+            raise _unsupported(at, block.type)
+    return ChatMessage(role="assistant", content="".join(texts), tool_calls=tuple(calls))
+
+
+class ConversationRequest(_Lenient):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share."""
+
+    model: str = Field(min_length=1)
+    messages: list[MessageIn] = Field(min_length=1)
+    system: str | list[ContentBlock] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+
+    def internal_messages(self) -> list[ChatMessage]:
+        out: list[ChatMessage] = []
+        if self.system is not None:
+            system = _joined_text(self.system, "system")
+            if system:
+                out.append(ChatMessage(role="system", content=system))
+        for i, message in enumerate(self.messages):
+            where = f"messages.{i}.content"
+            if message.role == "user":
+                out.extend(_user_messages(message.content, where))
+            elif message.role == "assistant":
+                out.append(_assistant_message(message.content, where))
+            else:
+                out.append(ChatMessage(role="system", content=_joined_text(message.content, where)))
+        return out
+
+    def internal_tools(self) -> list[Tool]:
+        tools: list[Tool] = []
+        for i, tool in enumerate(self.tools or ()):
+            if not tool.is_custom:
+                continue
+            if tool.input_schema is None:
+                raise BadRequestError(
+                    f"tools.{i}: a custom tool needs input_schema", code="invalid_request"
+                )
+            tools.append(Tool(tool.name, tool.description or "", tool.input_schema))
+        return tools
+
+    def tool_choice_name(self) -> str:
+        """``auto`` | ``none`` | ``required`` | the name of the forced tool."""
+        choice = self.tool_choice
+        if choice is None or choice.type == "auto":
+            return "auto"
+        if choice.type == "none":
+            return "none"
+        names = {t.name for t in self.tools or () if t.is_custom}
+        if not names:
+            raise BadRequestError(
+                f"tool_choice {choice.type!r} needs tools", code="invalid_request"
+            )
+        if choice.type == "any":
+            return "required"
+        if choice.name not in names:
+            raise BadRequestError(
+                "tool_choice names a tool that is not among the tools", code="invalid_request"
+            )
+        return choice.name
+
+
+class MessagesRequest(ConversationRequest):
+    # Required by Anthropic; a missing one leaves the proxy's caps in charge.
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+
+    def sampling(self) -> AgentSampling:
+        # Anthropic has no seed: a reproducible run sets it in the session's sampling.
+        return AgentSampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+
+class CountTokensRequest(ConversationRequest):
+    pass
