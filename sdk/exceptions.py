@@ -3,8 +3,10 @@
 ::
 
     SdkError
-    └── ProxyRequestError      the proxy answered with an error (status, type, code)
-        └── SessionNotFoundError   404 for a trial
+    ├── ProxyRequestError      the proxy answered with an error (status, type, code)
+    │   └── SessionNotFoundError   404 for a trial
+    └── TaskServerError        a task server refused or lost a run
+        └── TaskServerTimeoutError  a run did not finish in time
 """
 
 from __future__ import annotations
@@ -25,3 +27,11 @@ class ProxyRequestError(SdkError):
 
 class SessionNotFoundError(ProxyRequestError):
     pass
+
+
+class TaskServerError(SdkError):
+    """A task server refused a run, answered with an error, or could not be reached."""
+
+
+class TaskServerTimeoutError(TaskServerError):
+    """A run did not finish within the time asked for."""
