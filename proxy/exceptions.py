@@ -13,7 +13,8 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── ConflictError               409 session completed/deleted, trial id taken
     ├── PayloadTooLargeError        413 request body over the limit
     ├── UpstreamError               502 the worker failed the request
-    └── ServiceUnavailableError     503 no worker became available (Retry-After)
+    └── ServiceUnavailableError     503 no worker became available, queue full, draining
+        └── TooManyRequestsError    429 this trial has too many requests waiting (Retry-After)
 """
 
 from __future__ import annotations
@@ -81,3 +82,10 @@ class ServiceUnavailableError(ProxyError):
     def __init__(self, message: str, *, retry_after: int = 5, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+class TooManyRequestsError(ServiceUnavailableError):
+    """One trial's share of the wait queue is full; other trials are still served."""
+
+    status = 429
+    error_type = "rate_limit_error"

@@ -24,6 +24,7 @@ from proxy.exceptions import (
     ContextLengthError,
     ProxyError,
     ServiceUnavailableError,
+    TooManyRequestsError,
     UpstreamError,
 )
 from proxy.models import ModelRegistry, ServedModel
@@ -32,11 +33,17 @@ from proxy.sessions.accounting import plan_turn
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
 from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream, get_parser
 from relay import protocol
-from relay.exceptions import NoWorkerAvailableError, RelayError, WorkerFailedError
+from relay.exceptions import (
+    NoWorkerAvailableError,
+    PoolOverloadedError,
+    RelayError,
+    WorkerFailedError,
+)
 from relay.pool import (
     FinishedEvent,
     RelayCall,
     RestartedEvent,
+    ResumedEvent,
     TokensEvent,
     WorkerId,
     WorkerPool,
@@ -160,6 +167,14 @@ class TurnService:
             )
         except NoWorkerAvailableError as exc:
             raise self._unavailable(exc) from None
+        except PoolOverloadedError as exc:
+            if exc.scope == "trial":
+                raise TooManyRequestsError(
+                    str(exc), retry_after=self.retry_after_seconds, code="too_many_requests"
+                ) from None
+            raise ServiceUnavailableError(
+                str(exc), retry_after=self.retry_after_seconds, code="overloaded"
+            ) from None
         return PreparedTurn(session, request, served, plan, sampling, call, started)
 
     async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
@@ -225,6 +240,10 @@ class TurnService:
                         parser = self._parser(prepared)
                         stopper = StopMatcher(request.stop)
                         logprobs.clear()
+                    elif isinstance(event, ResumedEvent):
+                        # Another worker continues after the tokens already received:
+                        # nothing to discard, the stream goes on.
+                        continue
                     else:
                         finished = event
             except WorkerFailedError as exc:

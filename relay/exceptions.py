@@ -8,6 +8,7 @@
     │   ├── VersionMismatchError   the peer speaks another protocol version
     │   └── IllegalTransitionError a message is not allowed in the current state
     ├── NoWorkerAvailableError     no worker serving the model became free in time
+    ├── PoolOverloadedError        the wait queue (overall or the trial's share) is full
     ├── WorkerFailedError          the worker reported an error for a request
     └── RequestCancelledError      the request was cancelled before it finished
 """
@@ -40,6 +41,17 @@ class NoWorkerAvailableError(RelayError):
         super().__init__(f"no worker serving model {model!r} became available within {waited:g}s")
         self.model = model
         self.waited = waited
+
+
+class PoolOverloadedError(RelayError):
+    """The bounded wait queue is full, overall (``scope="pool"``) or for one trial
+    (``scope="trial"``); the request was not queued."""
+
+    def __init__(self, scope: str, limit: int) -> None:
+        what = "the request queue" if scope == "pool" else "this trial's share of the queue"
+        super().__init__(f"{what} is full ({limit} waiting requests)")
+        self.scope = scope
+        self.limit = limit
 
 
 class WorkerFailedError(RelayError):

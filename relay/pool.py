@@ -2,9 +2,15 @@
 
 Choosing a worker is a pure function (``choose_worker``); the pool performs the I/O it
 decides on. A request is a ``RelayCall``: the caller iterates its events (token deltas, a
-restart notice when its worker was lost and the request was re-dispatched from the start
-on another worker, and a final ``Finished``). Cancelling a call (the agent went away) sends
+restart or resume notice when its worker was lost and the request was re-dispatched on
+another worker, and a final ``Finished``). Cancelling a call (the agent went away) sends
 ``Cancel`` to the worker.
+
+Backpressure: a worker takes at most its announced concurrency (optionally capped lower),
+the pool at most ``max_in_flight`` overall. Requests beyond that wait in a bounded
+``FairQueue`` keyed by trial and are served round-robin across trials, so one trial that
+floods the proxy delays only itself. A full queue refuses at once (``PoolOverloadedError``);
+a request that waits longer than ``wait_seconds`` fails (``NoWorkerAvailableError``).
 """
 
 from __future__ import annotations
@@ -15,14 +21,18 @@ import enum
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Protocol
+from typing import Generic, NewType, Protocol, TypeVar
+
+import msgspec
 
 from relay import protocol
 from relay.exceptions import (
     NoWorkerAvailableError,
+    PoolOverloadedError,
     ProtocolError,
     RelayError,
     RequestCancelledError,
@@ -33,6 +43,10 @@ log = logging.getLogger(__name__)
 
 WorkerId = NewType("WorkerId", str)
 RequestId = NewType("RequestId", str)
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class WorkerLink(Protocol):
@@ -91,6 +105,85 @@ def choose_worker(
     return min(free, key=lambda c: (c.in_flight, c.worker_id)).worker_id
 
 
+class FairQueue(Generic[K, T]):
+    """Waiting items in one FIFO per key (a trial), served round-robin across keys.
+
+    ``pop_next`` offers each key's oldest item in turn; the key that is served moves to the
+    back, a key whose head cannot be placed keeps its place. No I/O, no asyncio."""
+
+    def __init__(self) -> None:
+        self._lanes: OrderedDict[K, deque[T]] = OrderedDict()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"<FairQueue keys={len(self._lanes)} items={self._size}>"
+
+    def count(self, key: K) -> int:
+        lane = self._lanes.get(key)
+        return len(lane) if lane is not None else 0
+
+    def push(self, key: K, item: T, *, front: bool = False) -> None:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = deque()
+        if front:
+            lane.appendleft(item)
+        else:
+            lane.append(item)
+        self._size += 1
+
+    def remove(self, key: K, item: T) -> bool:
+        lane = self._lanes.get(key)
+        if lane is None or item not in lane:
+            return False
+        lane.remove(item)
+        self._size -= 1
+        if not lane:
+            del self._lanes[key]
+        return True
+
+    def pop_next(self, place: Callable[[T], R | None]) -> tuple[T, R] | None:
+        """The first key's head that ``place`` accepts (returns non-None for), removed."""
+        for key, lane in self._lanes.items():
+            placed = place(lane[0])
+            if placed is None:
+                continue
+            item = lane.popleft()
+            self._size -= 1
+            if lane:
+                self._lanes.move_to_end(key)
+            else:
+                del self._lanes[key]
+            return item, placed
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class PoolLimits:
+    """Backpressure bounds. 0 means no bound of that kind."""
+
+    max_in_flight: int = 0  # requests running on workers, over all workers
+    max_in_flight_per_worker: int = 0  # caps each worker's announced concurrency
+    max_queued: int = 4096  # requests waiting for a slot, over all trials
+    max_queued_per_trial: int = 256  # requests one trial may have waiting
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Monotonic counters, read by the metrics exporter."""
+
+    dispatched: int = 0
+    restarted: int = 0  # re-dispatched from the start after a worker was lost
+    resumed: int = 0  # continued from the tokens already sampled after a worker was lost
+    worker_joins: int = 0
+    worker_disconnects: int = 0
+    rejected_queue_full: int = 0
+    rejected_wait_timeout: int = 0
+
+
 # --------------------------------------------------------------------------- events
 
 
@@ -109,13 +202,22 @@ class RestartedEvent:
 
 
 @dataclass(slots=True, frozen=True)
+class ResumedEvent:
+    """The worker was lost after ``tokens`` tokens had arrived; another worker continues
+    from them (its prompt is the original prompt plus those tokens). Nothing is discarded."""
+
+    reason: str
+    tokens: int
+
+
+@dataclass(slots=True, frozen=True)
 class FinishedEvent:
     finish_reason: str
     worker_id: WorkerId
     extra: dict[str, str | int | float]
 
 
-RelayEvent = TokensEvent | RestartedEvent | FinishedEvent
+RelayEvent = TokensEvent | RestartedEvent | ResumedEvent | FinishedEvent
 
 
 class RequestState(enum.Enum):
@@ -152,6 +254,9 @@ class RelayCall:
         self.attempts = 0
         self.queued_at = time.perf_counter()
         self.started_at: float | None = None
+        # Tokens that arrived so far (over every attempt): a re-dispatch continues from them.
+        self.received = array("i")
+        self._slot: asyncio.Future[WorkerHandle] | None = None
         self._events: asyncio.Queue[RelayEvent | RelayError] = asyncio.Queue()
 
     def __repr__(self) -> str:
@@ -161,6 +266,26 @@ class RelayCall:
         if self.state in _TERMINAL:
             raise RelayError(f"request {self.request_id} is {self.state.value}; cannot be {state}")
         self.state = state
+
+    @property
+    def cancelled(self) -> bool:
+        return self.state is RequestState.CANCELLED
+
+    @property
+    def lane(self) -> str:
+        """The fair-queue key: the trial (affinity), else the request itself."""
+        return self.affinity if self.affinity is not None else self.request_id
+
+    def generate_message(self) -> protocol.Generate:
+        """The frame for the next attempt: the original prompt, or after a lost worker the
+        prompt plus the tokens already sampled, with the token budget reduced to match."""
+        if not self.received:
+            return protocol.Generate(self.request_id, self.model, self.prompt, self.sampling)
+        sampling = msgspec.structs.replace(
+            self.sampling, max_tokens=self.sampling.max_tokens - len(self.received)
+        )
+        prompt = self.prompt + protocol.pack_ids(self.received)
+        return protocol.Generate(self.request_id, self.model, prompt, sampling)
 
     def _push(self, event: RelayEvent | RelayError) -> None:
         self._events.put_nowait(event)
@@ -183,11 +308,20 @@ class RelayCall:
 class WorkerPool:
     """Connected workers and the requests in flight on them."""
 
-    def __init__(self, *, wait_seconds: float = 30.0, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        *,
+        wait_seconds: float = 30.0,
+        max_attempts: int = 3,
+        limits: PoolLimits | None = None,
+    ) -> None:
         self.wait_seconds = wait_seconds
         self.max_attempts = max_attempts
+        self.limits = limits or PoolLimits()
+        self.stats = PoolStats()
         self.workers: dict[WorkerId, WorkerHandle] = {}
         self._calls: dict[RequestId, RelayCall] = {}
+        self._queue: FairQueue[str, RelayCall] = FairQueue()
         self._affinity: OrderedDict[str, WorkerId] = OrderedDict()
         self._affinity_cap = 65536
         self._changed = asyncio.Condition()
@@ -208,7 +342,22 @@ class WorkerPool:
 
     @property
     def in_flight(self) -> int:
+        """Requests not finished yet: running on a worker or waiting for one."""
         return len(self._calls)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot on a worker."""
+        return sum(len(h.in_flight) for h in self.workers.values())
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the fair queue for a slot."""
+        return len(self._queue)
+
+    def capacity(self, handle: WorkerHandle) -> int:
+        cap = self.limits.max_in_flight_per_worker
+        return min(handle.max_concurrency, cap) if cap > 0 else handle.max_concurrency
 
     async def add_worker(self, handle: WorkerHandle) -> None:
         old = self.workers.get(handle.worker_id)
@@ -216,6 +365,7 @@ class WorkerPool:
             # Same worker reconnecting before its old socket was noticed dead.
             await self.remove_worker(old, reason="replaced by a new connection")
         self.workers[handle.worker_id] = handle
+        self.stats.worker_joins += 1
         log.info("worker %s joined with models %s", handle.worker_id, sorted(handle.models))
         await self._notify()
 
@@ -231,6 +381,7 @@ class WorkerPool:
         if self.workers.get(handle.worker_id) is not handle:
             return
         del self.workers[handle.worker_id]
+        self.stats.worker_disconnects += 1
         handle.endpoint.close()
         lost = [self._calls[r] for r in handle.in_flight if r in self._calls]
         handle.in_flight.clear()
@@ -241,15 +392,34 @@ class WorkerPool:
             if call.attempts >= self.max_attempts:
                 self._fail(call, WorkerFailedError("worker_lost", f"worker lost: {reason}"))
                 continue
+            lost_on = handle.worker_id
             call.state = RequestState.QUEUED
             call.worker_id = None
-            call._push(RestartedEvent(reason))
+            if not call.received:
+                self.stats.restarted += 1
+                call._push(RestartedEvent(reason))
+            elif len(call.received) >= call.sampling.max_tokens:
+                # Every token of the budget had arrived; only the Done frame was lost.
+                self._calls.pop(call.request_id, None)
+                call._transition(RequestState.FINISHED)
+                call._push(FinishedEvent("length", lost_on, {}))
+                continue
+            else:
+                self.stats.resumed += 1
+                call._push(ResumedEvent(reason, len(call.received)))
+            log.info(
+                "request %s re-dispatched after losing worker %s (%d tokens kept)",
+                call.request_id,
+                lost_on,
+                len(call.received),
+            )
             task = asyncio.get_running_loop().create_task(self._redispatch(call))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         await self._notify()
 
     async def _notify(self) -> None:
+        self._pump()
         async with self._changed:
             self._changed.notify_all()
 
@@ -289,43 +459,93 @@ class WorkerPool:
 
     async def _redispatch(self, call: RelayCall) -> None:
         try:
-            await self._dispatch(call)
+            await self._dispatch(call, front=True)
         except RelayError as exc:
             self._fail(call, exc)
 
-    async def _dispatch(self, call: RelayCall) -> None:
+    async def _dispatch(self, call: RelayCall, *, front: bool = False) -> None:
         deadline = time.monotonic() + self.wait_seconds
         while True:
             if call.state is RequestState.CANCELLED:
                 raise RequestCancelledError(call.request_id)
-            handle = self._pick(call)
-            if handle is not None:
-                call.attempts += 1
-                call.worker_id = handle.worker_id
-                call.state = RequestState.RUNNING
-                call.started_at = time.perf_counter()
-                handle.in_flight.add(call.request_id)
-                message = protocol.Generate(call.request_id, call.model, call.prompt, call.sampling)
-                try:
-                    await handle.link.send(handle.endpoint.generate(message))
-                except (ConnectionError, ProtocolError, RuntimeError) as exc:
-                    handle.in_flight.discard(call.request_id)
-                    call.state = RequestState.QUEUED
-                    await self.remove_worker(handle, reason=f"send failed: {exc}")
-                    continue
-                if call.affinity is not None:
-                    self._remember(call.affinity, handle.worker_id)
+            handle = await self._acquire(call, deadline, front=front)
+            front = True  # a retry after a failed send keeps its place in line
+            if call.cancelled:  # cancelled between reserving the slot and sending
+                handle.in_flight.discard(call.request_id)
+                self._pump()
+                raise RequestCancelledError(call.request_id)
+            try:
+                await handle.link.send(handle.endpoint.generate(call.generate_message()))
+            except (ConnectionError, ProtocolError, RuntimeError) as exc:
+                handle.in_flight.discard(call.request_id)
+                call.state = RequestState.QUEUED
+                await self.remove_worker(handle, reason=f"send failed: {exc}")
+                continue
+            self.stats.dispatched += 1
+            if call.affinity is not None:
+                self._remember(call.affinity, handle.worker_id)
+            return
+
+    async def _acquire(self, call: RelayCall, deadline: float, *, front: bool) -> WorkerHandle:
+        """Queue the call and wait until ``_pump`` reserves a worker slot for it."""
+        if not front:
+            limits = self.limits
+            if limits.max_queued and len(self._queue) >= limits.max_queued:
+                self.stats.rejected_queue_full += 1
+                raise PoolOverloadedError("pool", limits.max_queued)
+            if limits.max_queued_per_trial and (
+                self._queue.count(call.lane) >= limits.max_queued_per_trial
+            ):
+                self.stats.rejected_queue_full += 1
+                raise PoolOverloadedError("trial", limits.max_queued_per_trial)
+        slot: asyncio.Future[WorkerHandle] = asyncio.get_running_loop().create_future()
+        call._slot = slot
+        self._queue.push(call.lane, call, front=front)
+        self._pump()
+        try:
+            await asyncio.wait({slot}, timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.CancelledError:
+            self._abandon(call, slot)
+            raise
+        if slot.done():
+            return slot.result()  # raises RequestCancelledError when cancelled meanwhile
+        self._abandon(call, slot)
+        self.stats.rejected_wait_timeout += 1
+        raise NoWorkerAvailableError(call.model, self.wait_seconds)
+
+    def _abandon(self, call: RelayCall, slot: asyncio.Future[WorkerHandle]) -> None:
+        """The waiter leaves: take the call out of the queue, or give back its slot."""
+        if not slot.done():
+            self._queue.remove(call.lane, call)
+            slot.cancel()
+        elif not slot.cancelled() and slot.exception() is None:
+            handle = slot.result()
+            handle.in_flight.discard(call.request_id)
+            if call.state is RequestState.RUNNING:
+                call.state = RequestState.QUEUED
+            self._pump()
+
+    def _pump(self) -> None:
+        """Hand free worker slots to waiting calls, round-robin across trials."""
+        cap = self.limits.max_in_flight
+        while len(self._queue):
+            if cap and self.running >= cap:
                 return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NoWorkerAvailableError(call.model, self.wait_seconds)
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), remaining)
+            picked = self._queue.pop_next(self._pick)
+            if picked is None:
+                return
+            call, handle = picked
+            call.attempts += 1
+            call.worker_id = handle.worker_id
+            call.state = RequestState.RUNNING
+            call.started_at = time.perf_counter()
+            handle.in_flight.add(call.request_id)
+            assert call._slot is not None
+            call._slot.set_result(handle)
 
     def _pick(self, call: RelayCall) -> WorkerHandle | None:
         loads = [
-            WorkerLoad(h.worker_id, len(h.in_flight), h.max_concurrency)
+            WorkerLoad(h.worker_id, len(h.in_flight), self.capacity(h))
             for h in self.workers.values()
             if call.model in h.models
         ]
@@ -348,6 +568,10 @@ class WorkerPool:
         handle = self.workers.get(call.worker_id) if call.worker_id else None
         call.state = RequestState.CANCELLED
         self._calls.pop(call.request_id, None)
+        slot = call._slot
+        if slot is not None and not slot.done():
+            self._queue.remove(call.lane, call)
+            slot.set_exception(RequestCancelledError(call.request_id))
         if handle is not None and call.request_id in handle.in_flight:
             handle.in_flight.discard(call.request_id)
             frame = handle.endpoint.cancel(call.request_id)
@@ -381,12 +605,9 @@ class WorkerPool:
         if call is None or call.worker_id != handle.worker_id:
             return  # late frames of a cancelled or re-dispatched request
         if isinstance(message, protocol.Delta):
-            call._push(
-                TokensEvent(
-                    protocol.unpack_ids(message.token_ids),
-                    protocol.unpack_logprobs(message.logprobs),
-                )
-            )
+            ids = protocol.unpack_ids(message.token_ids)
+            call.received.extend(ids)
+            call._push(TokensEvent(ids, protocol.unpack_logprobs(message.logprobs)))
             return
         handle.in_flight.discard(rid)
         self._calls.pop(rid, None)

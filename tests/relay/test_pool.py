@@ -10,10 +10,19 @@ import asyncio
 import pytest
 
 from relay import protocol
-from relay.exceptions import NoWorkerAvailableError, WorkerFailedError
+from relay.exceptions import (
+    NoWorkerAvailableError,
+    PoolOverloadedError,
+    RequestCancelledError,
+    WorkerFailedError,
+)
 from relay.pool import (
+    FairQueue,
     FinishedEvent,
+    PoolLimits,
+    RelayCall,
     RestartedEvent,
+    ResumedEvent,
     TokensEvent,
     WorkerHandle,
     WorkerId,
@@ -121,8 +130,43 @@ async def test_waiting_request_starts_when_a_worker_joins() -> None:
     assert isinstance(link.sent[0], protocol.Generate)
 
 
-async def test_lost_worker_requests_restart_on_another_worker() -> None:
-    """When a worker drops, its request restarts from the beginning elsewhere."""
+async def _wait_sent(link: RecordingLink, count: int = 1) -> None:
+    for _ in range(200):
+        if len(link.sent) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"expected {count} frames, got {link.sent}")
+
+
+async def test_lost_worker_before_any_token_restarts_from_the_start() -> None:
+    """A request whose worker drops before any token arrived restarts unchanged elsewhere."""
+    pool = WorkerPool(wait_seconds=1)
+    h1, link1 = await _add(pool, "a")
+    call = await pool.start("tiny", [1, 2], protocol.Sampling(max_tokens=4))
+    _h2, link2 = await _add(pool, "b")
+    await pool.remove_worker(h1, "test")
+    await _wait_sent(link2)
+    first, again = link1.sent[0], link2.sent[0]
+    assert isinstance(first, protocol.Generate)
+    assert isinstance(again, protocol.Generate)
+    assert again.prompt_ids == first.prompt_ids
+    assert again.sampling == first.sampling
+    assert pool.stats.restarted == 1
+    assert pool.stats.resumed == 0
+    await call.cancel()
+    assert [type(e) for e in _drain_nowait(call)] == [RestartedEvent]
+
+
+def _drain_nowait(call: RelayCall) -> list[object]:
+    events: list[object] = []
+    while not call._events.empty():
+        events.append(call._events.get_nowait())
+    return events
+
+
+async def test_lost_worker_requests_resume_on_another_worker() -> None:
+    """When a worker drops mid-generation, another worker continues from the tokens
+    already sampled: its prompt is prompt + those tokens and the budget shrinks."""
     pool = WorkerPool(wait_seconds=1)
     h1, _ = await _add(pool, "a")
     call = await pool.start("tiny", [1, 2], protocol.Sampling(max_tokens=4))
@@ -133,12 +177,13 @@ async def test_lost_worker_requests_restart_on_another_worker() -> None:
     )
     h2, link2 = await _add(pool, "b")
     await pool.remove_worker(h1, "test")
-    for _ in range(50):
-        if link2.sent:
-            break
-        await asyncio.sleep(0.01)
-    assert isinstance(link2.sent[0], protocol.Generate)
+    await _wait_sent(link2)
+    resumed = link2.sent[0]
+    assert isinstance(resumed, protocol.Generate)
+    assert protocol.unpack_ids(resumed.prompt_ids) == [1, 2, 5]
+    assert resumed.sampling.max_tokens == 3
     assert call.worker_id == "b"
+    assert pool.stats.resumed == 1
     # A late frame from the lost worker is ignored.
     await pool.handle_message(h1, protocol.Delta(rid, protocol.pack_ids([99]), b"\0\0\0\0"))
     await pool.handle_message(
@@ -148,7 +193,7 @@ async def test_lost_worker_requests_restart_on_another_worker() -> None:
         ),
     )
     events = [e async for e in call.events()]
-    assert [type(e) for e in events] == [TokensEvent, RestartedEvent, TokensEvent, FinishedEvent]
+    assert [type(e) for e in events] == [TokensEvent, ResumedEvent, TokensEvent, FinishedEvent]
     assert call.attempts == 2
 
 
@@ -177,3 +222,133 @@ async def test_cancel_sends_cancel_and_frees_capacity() -> None:
     # Capacity is free again: the next request is dispatched at once.
     again = await asyncio.wait_for(pool.start("tiny", [1], protocol.Sampling(max_tokens=1)), 0.5)
     assert again.worker_id == "a"
+
+
+def test_fair_queue_round_robins_across_keys() -> None:
+    """A key with many waiting items is served in turn with the others, not before them."""
+    queue: FairQueue[str, str] = FairQueue()
+    for i in range(4):
+        queue.push("flood", f"f{i}")
+    queue.push("a", "a0")
+    queue.push("b", "b0")
+    order = []
+    while (picked := queue.pop_next(lambda item: item)) is not None:
+        order.append(picked[0])
+    assert order == ["f0", "a0", "b0", "f1", "f2", "f3"]
+    assert len(queue) == 0
+
+
+def test_fair_queue_skips_unplaceable_heads_and_keeps_their_place() -> None:
+    """A key whose head cannot be placed is passed over but stays first in line."""
+    queue: FairQueue[str, str] = FairQueue()
+    queue.push("a", "a0")
+    queue.push("b", "b0")
+    assert queue.pop_next(lambda item: item if item != "a0" else None) == ("b0", "b0")
+    assert queue.pop_next(lambda item: item) == ("a0", "a0")
+    queue.push("c", "c1")
+    queue.push("c", "c0", front=True)
+    assert queue.count("c") == 2
+    assert queue.remove("c", "c1")
+    assert not queue.remove("c", "c1")
+    assert queue.pop_next(lambda item: item) == ("c0", "c0")
+
+
+async def _finish(pool: WorkerPool, handle: WorkerHandle, rid: str) -> None:
+    await pool.handle_message(
+        handle, _frame(protocol.Done(rid, "stop", protocol.pack_ids([]), b""), handle)
+    )
+
+
+async def test_waiting_requests_are_served_fairly_across_trials() -> None:
+    """With one slot, a trial that queued many requests does not starve a later trial."""
+    pool = WorkerPool(wait_seconds=2)
+    handle, link = await _add(pool, "a", capacity=1)
+    sampling = protocol.Sampling(max_tokens=1)
+    first = await pool.start("tiny", [1], sampling, affinity="flood")
+    flood = [
+        asyncio.create_task(pool.start("tiny", [1], sampling, affinity="flood")) for _ in range(3)
+    ]
+    await asyncio.sleep(0.01)
+    other = asyncio.create_task(pool.start("tiny", [2], sampling, affinity="other"))
+    await asyncio.sleep(0.01)
+    assert pool.queued == 4
+    assert pool.running == 1
+    await _finish(pool, handle, first.request_id)
+    served = await asyncio.wait_for(flood[0], 1)
+    await _finish(pool, handle, served.request_id)
+    # The other trial goes next, ahead of the flooding trial's remaining two.
+    served = await asyncio.wait_for(other, 1)
+    assert served.affinity == "other"
+    assert pool.queued == 2
+    await served.cancel()
+    for task in flood[1:]:
+        call = await asyncio.wait_for(task, 1)
+        await _finish(pool, handle, call.request_id)
+    assert pool.in_flight == 0
+    assert pool.queued == 0
+    assert len([m for m in link.sent if isinstance(m, protocol.Generate)]) == 5
+
+
+async def test_full_queue_refuses_at_once() -> None:
+    """Over the queue bound (overall or per trial) a request is refused, not buffered."""
+    limits = PoolLimits(max_in_flight=1, max_queued=2, max_queued_per_trial=1)
+    pool = WorkerPool(wait_seconds=2, limits=limits)
+    await _add(pool, "a", capacity=4)
+    sampling = protocol.Sampling(max_tokens=1)
+    await pool.start("tiny", [1], sampling, affinity="t1")  # takes the one overall slot
+    waiting = asyncio.create_task(pool.start("tiny", [1], sampling, affinity="t1"))
+    await asyncio.sleep(0.01)
+    with pytest.raises(PoolOverloadedError) as per_trial:
+        await pool.start("tiny", [1], sampling, affinity="t1")
+    assert per_trial.value.scope == "trial"
+    other = asyncio.create_task(pool.start("tiny", [1], sampling, affinity="t2"))
+    await asyncio.sleep(0.01)
+    with pytest.raises(PoolOverloadedError) as overall:
+        await pool.start("tiny", [1], sampling, affinity="t3")
+    assert overall.value.scope == "pool"
+    assert pool.stats.rejected_queue_full == 2
+    assert pool.queued == 2
+    waiting.cancel()
+    other.cancel()
+    await asyncio.gather(waiting, other, return_exceptions=True)
+    assert pool.queued == 0
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    """Cancelling a queued call (or its waiting task) removes it without taking a slot."""
+    pool = WorkerPool(wait_seconds=2)
+    handle, _ = await _add(pool, "a", capacity=1)
+    sampling = protocol.Sampling(max_tokens=1)
+    busy = await pool.start("tiny", [1], sampling)
+    waiter = asyncio.create_task(pool.start("tiny", [1], sampling))
+    await asyncio.sleep(0.01)
+    queued = next(c for c in pool._calls.values() if c is not busy)
+    await queued.cancel()
+    with pytest.raises(RequestCancelledError):
+        await waiter
+    assert pool.queued == 0
+    await _finish(pool, handle, busy.request_id)
+    assert handle.in_flight == set()
+    assert pool.in_flight == 0
+
+
+async def test_queue_wait_times_out_with_no_worker_error() -> None:
+    """A request that cannot get a slot within the wait bound fails and leaves the queue."""
+    pool = WorkerPool(wait_seconds=0.05)
+    await _add(pool, "a", capacity=1)
+    sampling = protocol.Sampling(max_tokens=1)
+    await pool.start("tiny", [1], sampling)
+    with pytest.raises(NoWorkerAvailableError):
+        await pool.start("tiny", [1], sampling)
+    assert pool.queued == 0
+    assert pool.stats.rejected_wait_timeout == 1
+
+
+async def test_per_worker_cap_lowers_announced_concurrency() -> None:
+    """max_in_flight_per_worker caps what a worker announced."""
+    pool = WorkerPool(wait_seconds=0.05, limits=PoolLimits(max_in_flight_per_worker=1))
+    await _add(pool, "a", capacity=8)
+    sampling = protocol.Sampling(max_tokens=1)
+    await pool.start("tiny", [1], sampling)
+    with pytest.raises(NoWorkerAvailableError):
+        await pool.start("tiny", [1], sampling)
