@@ -11,11 +11,13 @@ from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
 from proxy.config import ProxyConfig
+from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
 from proxy.models import ModelRegistry
+from proxy.observability import ProxyMetrics, observe_middleware, setup_observability
 from proxy.service import TurnService
 from proxy.sessions.registry import SessionRegistry
 from relay.endpoint import WorkerSocketConfig, make_worker_socket_handler
-from relay.pool import WorkerPool
+from relay.pool import PoolLimits, WorkerPool
 
 __all__ = ["build_app"]
 
@@ -27,16 +29,26 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     workers = len(pool.workers)
-    ready = workers > 0
-    return json_response(
-        {"status": "ready" if ready else "no_workers", "workers": workers},
-        status=200 if ready else 503,
-    )
+    accepting = request.app[LIFECYCLE].accepting
+    ready = workers > 0 and accepting
+    status = "ready" if ready else ("no_workers" if accepting else "draining")
+    return json_response({"status": status, "workers": workers}, status=200 if ready else 503)
 
 
 def build_app(config: ProxyConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
-    pool = WorkerPool(wait_seconds=config.worker_wait_seconds)
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[observe_middleware, error_middleware, drain_gate],
+    )
+    pool = WorkerPool(
+        wait_seconds=config.worker_wait_seconds,
+        limits=PoolLimits(
+            max_in_flight=config.max_in_flight,
+            max_in_flight_per_worker=config.max_in_flight_per_worker,
+            max_queued=config.max_queued,
+            max_queued_per_trial=config.max_queued_per_trial,
+        ),
+    )
     models = ModelRegistry(config.cache_dir, tool_parser=config.tool_parser)
     app[CONFIG] = config
     app[POOL] = pool
@@ -48,6 +60,10 @@ def build_app(config: ProxyConfig) -> web.Application:
         global_max_tokens=config.max_tokens,
         retry_after_seconds=config.retry_after_seconds,
     )
+    app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
+    metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]))
+    app[SERVICE].metrics = metrics
+    setup_observability(app, metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get(

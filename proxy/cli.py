@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from proxy.config import ProxyConfig
+from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy
 
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "rollout-relay" / "tiny-model"
@@ -24,6 +26,43 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="global cap per call")
     parser.add_argument("--tool-parser", default=None, help="hermes | qwen3_coder | none")
     parser.add_argument("--cache-dir", type=Path, default=None)
+    limits = ProxyConfig()
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=limits.max_in_flight,
+        help="requests running on workers overall (0: the workers' announced concurrency)",
+    )
+    parser.add_argument(
+        "--max-in-flight-per-worker",
+        type=int,
+        default=limits.max_in_flight_per_worker,
+        help="caps each worker's announced concurrency (0: no cap)",
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=limits.max_queued,
+        help="requests waiting for a worker overall; beyond it 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-queued-per-trial",
+        type=int,
+        default=limits.max_queued_per_trial,
+        help="requests one trial may have waiting; beyond it 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=limits.heartbeat_seconds,
+        help="WebSocket ping interval; a worker that misses a pong is evicted",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=limits.drain_seconds,
+        help="on SIGTERM, how long running turns may take to finish",
+    )
 
 
 def _config(args: argparse.Namespace, worker_token: str | None) -> ProxyConfig:
@@ -37,6 +76,12 @@ def _config(args: argparse.Namespace, worker_token: str | None) -> ProxyConfig:
         max_tokens=args.max_tokens,
         worker_token=worker_token,
         tool_parser=args.tool_parser,
+        max_in_flight=args.max_in_flight,
+        max_in_flight_per_worker=args.max_in_flight_per_worker,
+        max_queued=args.max_queued,
+        max_queued_per_trial=args.max_queued_per_trial,
+        heartbeat_seconds=args.heartbeat_seconds,
+        drain_seconds=args.drain_seconds,
         cache_dir=args.cache_dir or defaults.cache_dir,
     )
 
@@ -46,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollout-relay", description="Token-exact LLM proxy for RL training with agents"
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default=None,
+        help="json lines with trial_id and request_id (default for proxy and worker) or text",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("proxy", help="run the proxy")
@@ -96,10 +147,21 @@ async def _run_proxy(config: ProxyConfig) -> None:
     running = await start_proxy(config)
     print(f"rollout-relay proxy listening on {running.url}", flush=True)
     print(f"  workers connect to {running.worker_url}", flush=True)
+    terminate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, terminate.set)
+    stopped = False
     try:
-        await asyncio.Event().wait()
+        await terminate.wait()
+        logging.getLogger("proxy").info("signal received: draining, then stopping")
+        await running.shutdown(config.drain_seconds)
+        stopped = True
     finally:
-        await running.stop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        if not stopped:
+            await running.stop()
 
 
 async def _run_worker(args: argparse.Namespace) -> None:
@@ -143,9 +205,8 @@ async def _up(config: ProxyConfig, model_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    log_format = args.log_format or ("json" if args.command in {"proxy", "worker"} else "text")
+    configure_logging(args.log_level, log_format)
     try:
         if args.command == "proxy":
             asyncio.run(_run_proxy(_config(args, args.worker_token)))

@@ -20,4 +20,12 @@ class ProxyConfig:
     tool_parser: str | None = None
     heartbeat_seconds: float = 10.0
     retry_after_seconds: int = 5
+    # Backpressure (0: no bound of that kind): requests running per worker (caps what the
+    # worker announced) and overall; requests waiting for a slot overall and per trial.
+    max_in_flight_per_worker: int = 0
+    max_in_flight: int = 0
+    max_queued: int = 4096
+    max_queued_per_trial: int = 256
+    # On SIGTERM, how long running turns may take to finish before they are cancelled.
+    drain_seconds: float = 30.0
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rollout-relay")

@@ -13,6 +13,7 @@ from aiohttp import web
 from proxy.app import build_app
 from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
+from proxy.lifecycle import LIFECYCLE
 
 
 @dataclass(slots=True)
@@ -39,6 +40,15 @@ class RunningProxy:
                 raise TimeoutError(f"{count} worker(s) did not connect within {within_seconds}s")
             await asyncio.sleep(0.05)
 
+    async def shutdown(self, drain_seconds: float) -> bool:
+        """Graceful stop: drain (refuse new turns, let running ones finish for up to
+        ``drain_seconds``), then stop. True when nothing had to be cancelled."""
+        lifecycle = self.app[LIFECYCLE]
+        drained = await lifecycle.drain(self.app[POOL], drain_seconds)
+        await self.stop()
+        lifecycle.stopped()
+        return drained
+
     async def stop(self) -> None:
         for task in self.worker_tasks:
             task.cancel()
@@ -50,7 +60,9 @@ class RunningProxy:
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
     app = build_app(config)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    # Graceful shutdown drains first (RunningProxy.shutdown); whatever still runs when the
+    # runner stops is cancelled soon after, not after aiohttp's default 60 s.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -28,6 +28,7 @@ from proxy.exceptions import (
     UpstreamError,
 )
 from proxy.models import ModelRegistry, ServedModel
+from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_turn
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
@@ -109,6 +110,8 @@ class PreparedTurn:
     sampling: protocol.Sampling
     call: RelayCall
     started: float
+    received_at: float = 0.0  # when the turn's request reached the service
+    first_token_at: float | None = None
 
 
 class TurnService:
@@ -124,6 +127,7 @@ class TurnService:
         self.models = models
         self.global_max_tokens = global_max_tokens
         self.retry_after_seconds = retry_after_seconds
+        self.metrics: ProxyMetrics | None = None
 
     async def _served(self, session: Session, requested: str) -> ServedModel:
         served = await self.pool.wait_for_models()
@@ -143,6 +147,7 @@ class TurnService:
     async def start(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """Validate, plan the prompt and dispatch it. Every client error is raised here,
         before a response (or a stream) has begun."""
+        received = time.perf_counter()
         session.require_active()
         served = await self._served(session, request.requested_model)
         renderer = served.renderer
@@ -175,7 +180,9 @@ class TurnService:
             raise ServiceUnavailableError(
                 str(exc), retry_after=self.retry_after_seconds, code="overloaded"
             ) from None
-        return PreparedTurn(session, request, served, plan, sampling, call, started)
+        return PreparedTurn(
+            session, request, served, plan, sampling, call, started, received_at=received
+        )
 
     async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
         """A whole turn, for non-streaming APIs."""
@@ -218,6 +225,8 @@ class TurnService:
             try:
                 async for event in prepared.call.events():
                     if isinstance(event, TokensEvent):
+                        if prepared.first_token_at is None and event.token_ids:
+                            prepared.first_token_at = time.perf_counter()
                         logprobs.extend(event.logprobs)
                         text = stopper.feed(detok.push(event.token_ids))
                         for out in self._parsed(parser.feed(text) if text else [], calls):
@@ -354,6 +363,20 @@ class TurnService:
         )
         if session.state is SessionState.ACTIVE:
             session.add_turn(node)
+        if self.metrics is not None:
+            now = time.perf_counter()
+            first = prepared.first_token_at
+            self.metrics.observe_turn(
+                api=prepared.request.api,
+                finish_reason=finish,
+                truncated=truncated,
+                prompt_tokens=len(plan.prompt_ids),
+                completion_tokens=len(ids),
+                queue_seconds=node.meta.queue_seconds,
+                engine_seconds=node.meta.engine_seconds,
+                total_seconds=now - prepared.received_at,
+                first_token_seconds=None if first is None else first - prepared.received_at,
+            )
         return TurnResult(
             node=node,
             model=prepared.served.name,

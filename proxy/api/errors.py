@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# The code of the error a request was answered with, for metrics and the access log.
+ERROR_CODE = web.RequestKey("error_code", str)
+
 
 def json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(
@@ -98,7 +101,12 @@ def _renderer_for(path: str) -> ErrorRenderer:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place where exceptions become wire errors."""
-    render = _renderer_for(request.path)
+    render_as = _renderer_for(request.path)
+
+    def render(exc: ProxyError) -> web.Response:
+        request[ERROR_CODE] = exc.code or exc.error_type
+        return render_as(exc)
+
     try:
         return await handler(request)
     except ProxyError as exc:
