@@ -1,0 +1,187 @@
+"""Worker failures mid-stream, with two real ``hf`` workers on the tiny model: one in this
+process (the survivor) and one as a separate ``rollout-relay worker`` process that the test
+kills (SIGKILL: the connection drops) or freezes (SIGSTOP: it stops answering heartbeats
+and must be evicted). The agent's streamed call succeeds, the session records exactly what
+was delivered, and the next turn continues on the surviving worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from proxy.appkeys import MODELS, POOL
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from sdk.client import ProxyClient
+from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed
+
+pytestmark = pytest.mark.e2e
+
+SURVIVOR = "b-survivor"
+# Ties between idle workers go to the smaller id, so new trials start on the victim.
+VICTIM = "a-victim"
+LONG = 240  # tokens: long enough that the victim is still generating when it is hit
+
+
+@pytest.fixture(scope="module")
+async def two_workers(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[RunningProxy]:
+    config = ProxyConfig(
+        port=0,
+        worker_wait_seconds=30 * TIMEOUT_FACTOR,
+        max_tokens=LONG,
+        heartbeat_seconds=1.5 * TIMEOUT_FACTOR,
+        cache_dir=tmp_path_factory.mktemp("failover-cache"),
+    )
+    running = await start_proxy(config)
+    start_hf_worker(running, tiny_model_dir, worker_id=SURVIVOR)
+    await running.wait_for_workers(1, within_seconds=60 * TIMEOUT_FACTOR)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A worker process that joins the proxy as VICTIM."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "--log-level",
+            "WARNING",
+            "worker",
+            "--proxy",
+            two_workers.worker_url,
+            "--model",
+            str(tiny_model_dir),
+            "--worker-id",
+            VICTIM,
+        ],
+        env=os.environ | {"RELAY_WORKER_TOKEN": ""},
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()  # also ends a stopped process
+            process.wait(30)
+
+
+async def _long_seed(client: AsyncOpenAI) -> int:
+    """A seed for which the tiny model keeps talking until the token cap."""
+
+    async def attempt(seed: int) -> int | None:
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "tell"}], max_tokens=48, seed=seed
+        )
+        return seed if reply.choices[0].finish_reason == "length" else None
+
+    return await first_seed(attempt)
+
+
+async def _stream_and_hit(
+    client: AsyncOpenAI, seed: int, hit: Any
+) -> tuple[str, Any, str | None, int]:
+    """Stream a long reply; call ``hit()`` once the first text arrived. Returns the text,
+    the usage, the finish reason and how many content chunks came before the hit."""
+    stream = await client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "tell"}],
+        max_tokens=LONG,
+        seed=seed,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage, finish, before = "", None, None, 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if not text:
+                    hit()
+                    before = 1
+                text += choice.delta.content
+            if choice.finish_reason is not None:
+                finish = choice.finish_reason
+    return text, usage, finish, before
+
+
+async def _check_failover(
+    two_workers: RunningProxy, victim: subprocess.Popen[bytes], hit_signal: signal.Signals
+) -> None:
+    pool = two_workers.app[POOL]
+    await two_workers.wait_for_workers(2, within_seconds=120 * TIMEOUT_FACTOR)
+    async with ProxyClient(two_workers.url) as proxy:
+        probe = await proxy.create_session()
+        async with AsyncOpenAI(base_url=probe.base_url, api_key=probe.api_key, max_retries=0) as c:
+            seed = await _long_seed(c)
+        trial = await proxy.create_session()
+        before = (pool.stats.resumed, pool.stats.worker_disconnects)
+        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
+            text, usage, finish, _ = await _stream_and_hit(
+                c, seed, lambda: victim.send_signal(hit_signal)
+            )
+            # After the hit another worker samples the rest: it may stop before the cap.
+            assert finish in {"stop", "length"}
+            assert usage is not None
+            assert pool.stats.resumed == before[0] + 1
+            assert pool.stats.worker_disconnects == before[1] + 1
+            assert VICTIM not in pool.workers
+
+            export = await proxy.trajectories(trial.trial_id)
+            (trajectory,) = export["trajectories"]
+            (turn,) = trajectory["turns"]
+            assert turn["worker_id"] == SURVIVOR
+            assert turn["finish_reason"] == finish
+            assert turn["truncated"] is False
+            assert sum(trajectory["response_mask"]) == usage.completion_tokens
+            assert (usage.completion_tokens == LONG) == (finish == "length")
+            # The recorded turn is the one that was delivered.
+            renderer = two_workers.app[MODELS].models[turn["model"]].renderer
+            sampled = trajectory["response_ids"]
+            assert renderer.tokenizer.decode(sampled, skip_special_tokens=True) == text
+
+            # The next turn continues this context on the surviving worker.
+            follow = await c.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "user", "content": "tell"},
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": "more"},
+                ],
+                max_tokens=4,
+                seed=seed,
+            )
+            assert follow.choices[0].finish_reason in {"stop", "length"}
+        export = await proxy.trajectories(trial.trial_id)
+        (trajectory,) = export["trajectories"]  # one path: the turn extended the first
+        first, second = trajectory["turns"]
+        assert second["parent"] == first["turn"]
+        assert second["worker_id"] == SURVIVOR
+
+
+async def test_worker_killed_mid_stream(
+    two_workers: RunningProxy, victim: subprocess.Popen[bytes]
+) -> None:
+    """SIGKILL on the worker that is streaming: the reply goes on from the tokens already
+    sampled on the other worker and the agent sees one normal, complete stream."""
+    await _check_failover(two_workers, victim, signal.SIGKILL)
+
+
+async def test_hung_worker_is_evicted_mid_stream(
+    two_workers: RunningProxy, victim: subprocess.Popen[bytes]
+) -> None:
+    """SIGSTOP on the worker that is streaming: it misses its heartbeat, is evicted, and
+    the reply completes on the other worker."""
+    await _check_failover(two_workers, victim, signal.SIGSTOP)
