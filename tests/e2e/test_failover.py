@@ -49,9 +49,10 @@ async def two_workers(
     await running.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A worker process that joins the proxy as VICTIM."""
+    """A worker process that joins the proxy as VICTIM (frozen by the first test and thawed
+    again, so that it reconnects; killed by the second)."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -77,8 +78,11 @@ def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subproce
             process.wait(30)
 
 
+_seeds: dict[str, int] = {}
+
+
 async def _long_seed(client: AsyncOpenAI) -> int:
-    """A seed for which the tiny model keeps talking until the token cap."""
+    """A seed for which the tiny model keeps talking for a while (found once)."""
 
     async def attempt(seed: int) -> int | None:
         reply = await client.chat.completions.create(
@@ -86,7 +90,9 @@ async def _long_seed(client: AsyncOpenAI) -> int:
         )
         return seed if reply.choices[0].finish_reason == "length" else None
 
-    return await first_seed(attempt)
+    if "long" not in _seeds:
+        _seeds["long"] = await first_seed(attempt)
+    return _seeds["long"]
 
 
 async def _stream_and_hit(
@@ -171,17 +177,18 @@ async def _check_failover(
         assert second["worker_id"] == SURVIVOR
 
 
-async def test_worker_killed_mid_stream(
-    two_workers: RunningProxy, victim: subprocess.Popen[bytes]
-) -> None:
-    """SIGKILL on the worker that is streaming: the reply goes on from the tokens already
-    sampled on the other worker and the agent sees one normal, complete stream."""
-    await _check_failover(two_workers, victim, signal.SIGKILL)
-
-
 async def test_hung_worker_is_evicted_mid_stream(
     two_workers: RunningProxy, victim: subprocess.Popen[bytes]
 ) -> None:
     """SIGSTOP on the worker that is streaming: it misses its heartbeat, is evicted, and
     the reply completes on the other worker."""
     await _check_failover(two_workers, victim, signal.SIGSTOP)
+    victim.send_signal(signal.SIGCONT)  # it notices its socket is gone and reconnects
+
+
+async def test_worker_killed_mid_stream(
+    two_workers: RunningProxy, victim: subprocess.Popen[bytes]
+) -> None:
+    """SIGKILL on the worker that is streaming: the reply goes on from the tokens already
+    sampled on the other worker and the agent sees one normal, complete stream."""
+    await _check_failover(two_workers, victim, signal.SIGKILL)
