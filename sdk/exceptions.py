@@ -4,12 +4,18 @@
 
     SdkError
     ├── ProxyRequestError      the proxy answered with an error (status, type, code)
+    │   ├── ProxyAuthError         401/403: missing or wrong admin token
     │   └── SessionNotFoundError   404 for a trial
-    └── TaskServerError        a task server refused or lost a run
-        └── TaskServerTimeoutError  a run did not finish in time
+    ├── TaskServerError        a task server refused or lost a run
+    │   ├── TaskServerTimeoutError  a run did not finish in time
+    │   └── TaskDefinitionError     not a valid Harbor task (or an unsafe archive)
+    └── RemoteAgentLoopError   every attempt at a task failed (``attempts`` says how)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 
 class SdkError(Exception):
@@ -29,9 +35,26 @@ class SessionNotFoundError(ProxyRequestError):
     pass
 
 
+class ProxyAuthError(ProxyRequestError):
+    """The proxy refused the credential (401) or its kind (403)."""
+
+
 class TaskServerError(SdkError):
     """A task server refused a run, answered with an error, or could not be reached."""
 
 
 class TaskServerTimeoutError(TaskServerError):
     """A run did not finish within the time asked for."""
+
+
+class RemoteAgentLoopError(SdkError):
+    """Every attempt at a task failed; ``attempts`` are ``sdk.agent_loop.Attempt`` records."""
+
+    def __init__(self, message: str, attempts: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.attempts = list(attempts)
+
+
+class TaskDefinitionError(TaskServerError):
+    """A task is not a valid Harbor-format task (missing task.toml, instruction.md or
+    tests/test.sh, unreadable TOML, an unsafe or oversized archive)."""
