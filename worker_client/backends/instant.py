@@ -1,0 +1,148 @@
+"""The ``instant`` backend: a benchmark-only engine that runs no model.
+
+It answers every request at once with token ids and logprobs drawn from a seeded
+generator, so a benchmark through proxy + relay + worker measures the proxy's own cost
+rather than a model's. It is not a policy: its tokens are noise from the tokenizer's plain
+vocabulary (special and added tokens are never produced, so a reply never looks like a
+tool call), and its logprobs are made up.
+
+* A reply has ``reply_tokens`` tokens (capped by ``max_tokens`` and the context window).
+  When the cap did not cut it short, its last token is the model's end-of-sequence token
+  and the reply finishes with ``stop``; otherwise with ``length``.
+* Tokens are streamed one per chunk, as a real engine does, either back to back
+  (``tokens_per_second=0``) or paced at that rate.
+* The same seed and prompt length give the same reply; without a seed, the request id
+  seeds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
+from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+
+
+class InstantEngine:
+    def __init__(
+        self,
+        *,
+        name: str,
+        vocab: Sequence[int],
+        eos_token_id: int,
+        max_model_len: int = 131072,
+        reply_tokens: int = 16,
+        tokens_per_second: float = 0.0,
+    ) -> None:
+        if not vocab:
+            raise EngineUnavailableError("the instant backend needs a non-empty vocabulary")
+        if reply_tokens < 1:
+            raise EngineUnavailableError("reply_tokens must be at least 1")
+        if tokens_per_second < 0:
+            raise EngineUnavailableError("tokens_per_second must be >= 0")
+        self._card = ModelCard(name, max_model_len, LogprobsMode.RAW, "instant")
+        self.vocab = list(vocab)
+        self.eos_token_id = eos_token_id
+        self.reply_tokens = reply_tokens
+        self.tokens_per_second = tokens_per_second
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+        self.served = 0
+
+    def __repr__(self) -> str:
+        return f"<InstantEngine {self._card.name} running={len(self._running)}>"
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        name: str | None = None,
+        reply_tokens: int = 16,
+        tokens_per_second: float = 0.0,
+        max_model_len: int | None = None,
+    ) -> InstantEngine:
+        """Take the vocabulary, end-of-sequence token and window from a Hugging Face
+        model directory's tokenizer and config files (weights are never read)."""
+        path = Path(model_dir)
+        try:
+            tokenizer = json.loads((path / "tokenizer.json").read_text())
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineUnavailableError(
+                f"{path}: no readable tokenizer.json/config.json: {exc}"
+            ) from None
+        special = {int(t["id"]) for t in tokenizer.get("added_tokens", [])}
+        vocab = sorted(
+            i for i in tokenizer.get("model", {}).get("vocab", {}).values() if i not in special
+        )
+        eos = config.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if not isinstance(eos, int):
+            raise EngineUnavailableError(f"{path}/config.json declares no eos_token_id")
+        window = max_model_len or int(config.get("max_position_embeddings", 131072))
+        return cls(
+            name=name or path.name,
+            vocab=vocab,
+            eos_token_id=eos,
+            max_model_len=window,
+            reply_tokens=reply_tokens,
+            tokens_per_second=tokens_per_second,
+        )
+
+    @property
+    def card(self) -> ModelCard:
+        return self._card
+
+    def _rng(self, request_id: str, prompt_len: int, seed: int | None) -> random.Random:
+        base = seed if seed is not None else request_id
+        digest = hashlib.blake2b(f"{base}/{prompt_len}".encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(digest, "little"))
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        window = self._card.max_model_len
+        if len(prompt_ids) >= window:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the {window}-token window"
+            )
+        limit = min(sampling.max_tokens, window - len(prompt_ids))
+        count = min(self.reply_tokens, limit)
+        ends_with_stop = count == self.reply_tokens
+        rng = self._rng(request_id, len(prompt_ids), sampling.seed)
+        delay = 1.0 / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
+        self._running.add(request_id)
+        self.served += 1
+        try:
+            for produced in range(1, count + 1):
+                if request_id in self._aborted:
+                    yield TokenChunk([], [], FinishReason.ABORT)
+                    return
+                if delay:
+                    await asyncio.sleep(delay)
+                logprob = -rng.random() * 4.0
+                if produced < count:
+                    yield TokenChunk([rng.choice(self.vocab)], [logprob])
+                elif ends_with_stop:
+                    yield TokenChunk([self.eos_token_id], [logprob], FinishReason.STOP)
+                else:
+                    yield TokenChunk([rng.choice(self.vocab)], [logprob], FinishReason.LENGTH)
+        finally:
+            self._running.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    async def close(self) -> None:
+        return None
