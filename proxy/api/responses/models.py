@@ -97,7 +97,8 @@ def _item_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if kind is None:
         return "message"  # EasyInputMessage: {"role", "content"} without a type
-    return kind if kind in _ITEM_TAGS else "other"
+    # A non-string type (fuzzed JSON) is "other": its validation then names the field.
+    return kind if isinstance(kind, str) and kind in _ITEM_TAGS else "other"
 
 
 _ITEM_TAGS = {"message", "function_call", "function_call_output", "reasoning"}
@@ -196,7 +197,7 @@ class OtherToolIn(_Lenient):
 
 def _tool_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in {"function", "namespace"} else "other"
+    return kind if isinstance(kind, str) and kind in {"function", "namespace"} else "other"
 
 
 ToolIn = Annotated[
