@@ -6,12 +6,14 @@ from aiohttp import web
 
 from proxy.api import sessions
 from proxy.api.anthropic import routes as anthropic_routes
+from proxy.api.auth import auth_middleware
 from proxy.api.errors import error_middleware, json_response
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
 from proxy.config import ProxyConfig
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
+from proxy.limits import Limits
 from proxy.models import ModelRegistry
 from proxy.observability import ProxyMetrics, observe_middleware, setup_observability
 from proxy.service import TurnService
@@ -38,7 +40,7 @@ async def readyz(request: web.Request) -> web.Response:
 def build_app(config: ProxyConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[observe_middleware, error_middleware, drain_gate],
+        middlewares=[observe_middleware, error_middleware, auth_middleware, drain_gate],
     )
     pool = WorkerPool(
         wait_seconds=config.worker_wait_seconds,
@@ -59,6 +61,11 @@ def build_app(config: ProxyConfig) -> web.Application:
         models,
         global_max_tokens=config.max_tokens,
         retry_after_seconds=config.retry_after_seconds,
+    )
+    app[SERVICE].limits = Limits(
+        max_messages=config.max_messages,
+        max_session_tokens=config.max_session_tokens,
+        max_sessions=config.max_sessions,
     )
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
     metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]))

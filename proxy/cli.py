@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from proxy.config import ProxyConfig
+from proxy.exceptions import ConfigurationError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy
 
@@ -63,9 +64,29 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=limits.drain_seconds,
         help="on SIGTERM, how long running turns may take to finish",
     )
+    parser.add_argument(
+        "--max-messages",
+        type=int,
+        default=limits.max_messages,
+        help="messages in one agent request (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=limits.max_session_tokens,
+        help="tokens one session may store, context and sampled (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=limits.max_sessions,
+        help="sessions held at once (registered and not deleted; 0: no limit)",
+    )
 
 
-def _config(args: argparse.Namespace, worker_token: str | None) -> ProxyConfig:
+def _config(
+    args: argparse.Namespace, worker_token: str | None, admin_token: str | None = None
+) -> ProxyConfig:
     defaults = ProxyConfig()
     return ProxyConfig(
         host=args.host,
@@ -74,7 +95,13 @@ def _config(args: argparse.Namespace, worker_token: str | None) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes,
         worker_wait_seconds=args.worker_wait_seconds,
         max_tokens=args.max_tokens,
+        admin_token=admin_token,
         worker_token=worker_token,
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        max_messages=args.max_messages,
+        max_session_tokens=args.max_session_tokens,
+        max_sessions=args.max_sessions,
         tool_parser=args.tool_parser,
         max_in_flight=args.max_in_flight,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
@@ -101,17 +128,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="run the proxy")
     _proxy_args(p, 8080)
-    p.add_argument("--worker-token", default=os.environ.get("RELAY_WORKER_TOKEN"))
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("RELAY_ADMIN_TOKEN"),
+        help="opens the session API (env RELAY_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--worker-token",
+        default=os.environ.get("RELAY_WORKER_TOKEN"),
+        help="admits workers on /ws/worker (env RELAY_WORKER_TOKEN)",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="run without any authentication (local development only)",
+    )
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key")
 
     w = sub.add_parser("worker", help="run an inference worker that dials the proxy")
     w.add_argument("--proxy", required=True, help="ws://host:port/ws/worker")
-    w.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    w.add_argument(
+        "--backend",
+        choices=["hf", "vllm", "instant"],
+        default="hf",
+        help="instant: benchmark-only, no model, replies at once with seeded noise tokens",
+    )
     w.add_argument("--model", required=True, help="model directory (or name for vllm)")
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument("--token", default=os.environ.get("RELAY_WORKER_TOKEN", ""))
     w.add_argument("--max-concurrency", type=int, default=8)
     w.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
     w.add_argument("--worker-id", default=None)
+    w.add_argument(
+        "--ca-file",
+        type=Path,
+        default=os.environ.get("RELAY_CA_FILE"),
+        help="PEM CA bundle to verify a wss:// proxy with (e.g. a self-signed deployment)",
+    )
+    w.add_argument("--reply-tokens", type=int, default=16, help="instant backend: tokens per reply")
+    w.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=0.0,
+        help="instant backend: pace each reply's tokens (0: back to back)",
+    )
 
     t = sub.add_parser("tiny-model", help="write the tiny random-weight test model")
     t.add_argument("out_dir", type=Path)
@@ -165,7 +226,7 @@ async def _run_proxy(config: ProxyConfig) -> None:
 
 
 async def _run_worker(args: argparse.Namespace) -> None:
-    from worker_client.client import ServedModel, WorkerClient
+    from worker_client.client import ServedModel, WorkerClient, client_ssl_context
     from worker_client.engine import Engine, LogprobsMode
 
     mode = LogprobsMode(args.logprobs_mode)
@@ -174,6 +235,15 @@ async def _run_worker(args: argparse.Namespace) -> None:
         from worker_client.backends.hf import HFEngine
 
         engine = HFEngine.load(args.model, name=args.name, logprobs_mode=mode)
+    elif args.backend == "instant":
+        from worker_client.backends.instant import InstantEngine
+
+        engine = InstantEngine.load(
+            args.model,
+            name=args.name,
+            reply_tokens=args.reply_tokens,
+            tokens_per_second=args.tokens_per_second,
+        )
     else:
         from worker_client.backends.vllm import VLLMEngine
 
@@ -184,6 +254,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
         token=args.token,
         worker_id=args.worker_id,
         max_concurrency=args.max_concurrency,
+        ssl_context=client_ssl_context(args.ca_file) if args.proxy.startswith("wss://") else None,
     )
     await client.run()
 
@@ -203,13 +274,56 @@ async def _up(config: ProxyConfig, model_dir: Path) -> None:
         await running.stop()
 
 
+_OPEN_WARNING = (
+    "AUTHENTICATION IS OFF ({why}): anyone who can reach {where} can register trials, read "
+    "every trajectory, call any trial's agent routes and connect a worker that reads prompts "
+    "and forges replies. Use it on loopback for local development only."
+)
+
+
+def _warn_open(why: str, host: str = "127.0.0.1") -> None:
+    where = f"{host} (all interfaces)" if host in {"0.0.0.0", "::", ""} else host
+    bar = "!" * 78
+    message = _OPEN_WARNING.format(why=why, where=where)
+    logging.getLogger("proxy").warning("authentication is off (%s)", why)
+    print(f"{bar}\n{message}\n{bar}", file=sys.stderr, flush=True)
+
+
+def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:
+    """The proxy's settings with its credentials; None (after saying why) when it must
+    not start: tokens missing without an explicit --no-auth."""
+    if args.no_auth:
+        _warn_open("--no-auth", args.host)
+        return _config(args, None)
+    missing = [
+        flag
+        for flag, value in (
+            ("--admin-token", args.admin_token),
+            ("--worker-token", args.worker_token),
+        )
+        if not value
+    ]
+    if missing:
+        print(
+            f"rollout-relay proxy: refusing to start without {' and '.join(missing)} "
+            "(or RELAY_ADMIN_TOKEN / RELAY_WORKER_TOKEN); pass --no-auth to run open for "
+            "local development",
+            file=sys.stderr,
+        )
+        return None
+    return _config(args, args.worker_token, args.admin_token)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_format = args.log_format or ("json" if args.command in {"proxy", "worker"} else "text")
     configure_logging(args.log_level, log_format)
     try:
         if args.command == "proxy":
-            asyncio.run(_run_proxy(_config(args, args.worker_token)))
+            config = _secured_config(args)
+            if config is None:
+                return 2
+            asyncio.run(_run_proxy(config))
         elif args.command == "worker":
             asyncio.run(_run_worker(args))
         elif args.command == "tiny-model":
@@ -218,15 +332,20 @@ def main(argv: list[str] | None = None) -> int:
             path = write_tiny_model(args.out_dir, seed=args.seed, imprint=not args.no_imprint)
             print(f"wrote tiny model to {path}")
         elif args.command == "up":
+            _warn_open("`rollout-relay up`", args.host)
             asyncio.run(_up(_config(args, None), ensure_tiny_model(args.model)))
         elif args.command == "demo":
             from sdk.demo import run_demo
 
+            _warn_open("`rollout-relay demo`", args.host)
             return asyncio.run(
                 run_demo(_config(args, None), ensure_tiny_model(args.model), args.turns, args.seed)
             )
     except KeyboardInterrupt:
         return 130
+    except ConfigurationError as exc:
+        print(f"rollout-relay: {exc.message}", file=sys.stderr)
+        return 2
     except ConnectionRefusedByProxy as exc:
         print(f"rollout-relay worker: the proxy refused this worker: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,18 @@ class ProxyConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     worker_wait_seconds: float = 30.0
     max_tokens: int = 4096
+    # Credentials (None: open; the CLI refuses that without --no-auth). With an admin
+    # token the session API needs it and agent routes need their trial's API key.
+    admin_token: str | None = None
     worker_token: str | None = None
+    # TLS on the proxy's own listener (both or neither); None: plain HTTP.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # Limits (0: none): messages in one agent request, tokens one session stores,
+    # sessions held (registered and not deleted).
+    max_messages: int = 10_000
+    max_session_tokens: int = 16 * 1024 * 1024
+    max_sessions: int = 100_000
     tool_parser: str | None = None
     heartbeat_seconds: float = 10.0
     retry_after_seconds: int = 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from proxy.app import build_app
 from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
 from proxy.lifecycle import LIFECYCLE
+from proxy.tls import server_ssl_context
 
 
 @dataclass(slots=True)
@@ -59,12 +61,13 @@ class RunningProxy:
 
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
+    tls = server_ssl_context(config.tls_cert, config.tls_key)
     app = build_app(config)
     # Graceful shutdown drains first (RunningProxy.shutdown); whatever still runs when the
     # runner stops is cancelled soon after, not after aiohttp's default 60 s.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
     await site.start()
     port = config.port
     if port == 0:
@@ -73,7 +76,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         sockets = getattr(server, "sockets", None)
         assert sockets
         port = sockets[0].getsockname()[1]
-    return RunningProxy(runner, f"http://{config.host}:{port}", app)
+    scheme = "https" if tls is not None else "http"
+    return RunningProxy(runner, f"{scheme}://{config.host}:{port}", app)
 
 
 def start_hf_worker(
@@ -83,6 +87,7 @@ def start_hf_worker(
     name: str | None = None,
     token: str = "",
     worker_id: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> asyncio.Task[None]:
     """Load the model with the ``hf`` backend and connect it to ``proxy`` in this loop."""
     from worker_client.backends.hf import HFEngine
@@ -94,6 +99,7 @@ def start_hf_worker(
         {engine.card.name: ServedModel(engine, model_dir)},
         token=token,
         worker_id=worker_id,
+        ssl_context=ssl_context,
     )
     task = asyncio.get_running_loop().create_task(client.run())
     proxy.worker_tasks.append(task)

@@ -13,8 +13,10 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── ConflictError               409 session completed/deleted, trial id taken
     ├── PayloadTooLargeError        413 request body over the limit
     ├── UpstreamError               502 the worker failed the request
-    └── ServiceUnavailableError     503 no worker became available, queue full, draining
-        └── TooManyRequestsError    429 this trial has too many requests waiting (Retry-After)
+    ├── ServiceUnavailableError     503 no worker became available, queue full, draining
+    │   └── TooManyRequestsError    429 too many requests waiting for this trial, or too
+    │                                   many sessions (Retry-After)
+    └── ConfigurationError          startup: unusable settings (TLS files); never on the wire
 """
 
 from __future__ import annotations
@@ -89,3 +91,7 @@ class TooManyRequestsError(ServiceUnavailableError):
 
     status = 429
     error_type = "rate_limit_error"
+
+
+class ConfigurationError(ProxyError):
+    """Settings the proxy cannot start with (raised at startup, before serving)."""

@@ -27,6 +27,7 @@ from proxy.exceptions import (
     TooManyRequestsError,
     UpstreamError,
 )
+from proxy.limits import Limits, check_message_count, session_token_room, stored_tokens
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
@@ -128,6 +129,7 @@ class TurnService:
         self.global_max_tokens = global_max_tokens
         self.retry_after_seconds = retry_after_seconds
         self.metrics: ProxyMetrics | None = None
+        self.limits = Limits()
 
     async def _served(self, session: Session, requested: str) -> ServedModel:
         served = await self.pool.wait_for_models()
@@ -149,6 +151,7 @@ class TurnService:
         before a response (or a stream) has begun."""
         received = time.perf_counter()
         session.require_active()
+        check_message_count(self.limits, len(request.messages))
         served = await self._served(session, request.requested_model)
         renderer = served.renderer
         if _large(request.messages):
@@ -157,10 +160,17 @@ class TurnService:
             )
         else:
             plan = plan_turn(session, renderer, request.messages, request.tools)
+        room = session_token_room(
+            self.limits,
+            stored_tokens((len(n.context_ids), len(n.completion_ids)) for n in session.nodes),
+            len(plan.context_ids),
+        )
         sampling = resolve_sampling(
             request.sampling,
             session.sampling,
-            global_max_tokens=self.global_max_tokens,
+            global_max_tokens=self.global_max_tokens
+            if room is None
+            else min(self.global_max_tokens, room),
             prompt_len=len(plan.prompt_ids),
             max_model_len=served.max_model_len,
             stop_token_ids=renderer.stop_token_ids,

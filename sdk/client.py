@@ -7,13 +7,25 @@ One ``aiohttp.ClientSession`` is reused for every call (connection pooling); cre
 
 from __future__ import annotations
 
+import os
+import ssl
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 
-from sdk.exceptions import ProxyRequestError, SessionNotFoundError
+from sdk.exceptions import (
+    ProxyAuthError,
+    ProxyRequestError,
+    SessionNotFoundError,
+)
+
+_ERRORS: dict[int, type[ProxyRequestError]] = {
+    401: ProxyAuthError,
+    403: ProxyAuthError,
+    404: SessionNotFoundError,
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,12 +50,17 @@ class ProxyClient:
         admin_token: str | None = None,
         timeout_seconds: float = 60.0,
         http: aiohttp.ClientSession | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.proxy_url = proxy_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        # The proxy's admin token; RELAY_ADMIN_TOKEN (the proxy's own variable) by default.
+        token = admin_token if admin_token is not None else os.environ.get("RELAY_ADMIN_TOKEN")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._http = http
         self._owns_http = http is None
+        # https only: verify the proxy against this context (e.g. a private CA).
+        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
 
     def __repr__(self) -> str:
         return f"<ProxyClient {self.proxy_url}>"
@@ -72,12 +89,12 @@ class ProxyClient:
 
     async def _request(self, method: str, path: str, payload: Any = None) -> Any:
         async with self._session().request(
-            method, f"{self.proxy_url}{path}", json=payload
+            method, f"{self.proxy_url}{path}", json=payload, ssl=self._ssl
         ) as response:
             data = await response.json(content_type=None)
             if response.status >= 400:
                 error = data.get("error", {}) if isinstance(data, dict) else {}
-                cls = SessionNotFoundError if response.status == 404 else ProxyRequestError
+                cls = _ERRORS.get(response.status, ProxyRequestError)
                 raise cls(
                     response.status,
                     str(error.get("type", "error")),
@@ -133,5 +150,5 @@ class ProxyClient:
         return result
 
     async def ready(self) -> bool:
-        async with self._session().get(f"{self.proxy_url}/readyz") as response:
+        async with self._session().get(f"{self.proxy_url}/readyz", ssl=self._ssl) as response:
             return response.status == 200

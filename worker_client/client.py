@@ -15,6 +15,7 @@ import functools
 import logging
 import random
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,12 @@ def collect_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
     return files
 
 
+def client_ssl_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
+    """A context that verifies the proxy's certificate, against ``ca_file`` (PEM; e.g. the
+    CA of a self-signed deployment) when given, else against the system's trusted CAs."""
+    return ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+
+
 def backoff_delay(
     attempt: int, *, base: float = 0.5, cap: float = 30.0, rng: random.Random
 ) -> float:
@@ -86,6 +93,7 @@ class WorkerClient:
         worker_id: str | None = None,
         max_concurrency: int = 8,
         max_frame_bytes: int = 256 * 1024 * 1024,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not models:
             raise ValueError("a worker needs at least one model")
@@ -95,6 +103,8 @@ class WorkerClient:
         self.worker_id = worker_id or f"{socket.gethostname()}-{shortuuid.uuid()[:8]}"
         self.max_concurrency = max_concurrency
         self.max_frame_bytes = max_frame_bytes
+        # For wss:// only; None there means the system's trusted CAs.
+        self.ssl_context = ssl_context
         self.connected = asyncio.Event()
         self._rng = random.Random()
         self._hello_models = [
@@ -124,6 +134,7 @@ class WorkerClient:
                     ping_timeout=20,
                     open_timeout=10,
                     compression=None,
+                    ssl=self._ssl(),
                 ) as ws:
                     attempt = 0
                     await self._serve(ws)
@@ -137,6 +148,13 @@ class WorkerClient:
             if max_attempts is not None and attempt >= max_attempts:
                 raise ConnectionError(f"could not reach the proxy at {self.proxy_url}")
             await asyncio.sleep(backoff_delay(attempt, rng=self._rng))
+
+    def _ssl(self) -> ssl.SSLContext | bool | None:
+        # websockets wants no ssl argument for ws://, and True (the default context) or a
+        # context for wss://.
+        if not self.proxy_url.startswith("wss://"):
+            return None
+        return self.ssl_context or True
 
     async def _serve(self, ws: ClientConnection) -> None:
         endpoint = protocol.WorkerEndpoint()

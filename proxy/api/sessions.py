@@ -8,8 +8,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.errors import json_response, parse_json
-from proxy.appkeys import CONFIG, POOL, SESSIONS
+from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
 from proxy.exceptions import BadRequestError
+from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Session, SessionState
 
@@ -47,7 +48,11 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
                 "trial_id in the body differs from the path", code="invalid_request"
             )
         spec.trial_id = trial_id
-    session = request.app[SESSIONS].create(
+    registry = request.app[SESSIONS]
+    check_session_count(
+        request.app[SERVICE].limits, len(registry), request.app[CONFIG].retry_after_seconds
+    )
+    session = registry.create(
         spec.trial_id,
         metadata=spec.metadata,
         sampling=validate_session_sampling(spec.sampling),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import secrets
 from collections import OrderedDict
 from typing import Any
 
 import shortuuid
 
+from proxy.auth import new_trial_key
 from proxy.exceptions import BadRequestError, ConflictError, NotFoundError
 from proxy.sessions.model import Session, SessionState, TrialId
 
@@ -46,7 +46,7 @@ class SessionRegistry:
             raise ConflictError(f"trial {tid} already exists", code="trial_exists")
         session = Session(
             trial_id=tid,
-            api_key=f"rr-{secrets.token_urlsafe(24)}",
+            api_key=new_trial_key(tid),
             metadata=metadata,
             sampling=sampling,
             model=model,

@@ -50,10 +50,16 @@ def _status(url: str) -> int:
         return 0
 
 
+ADMIN_TOKEN = "a-secret"
+
+
 def _json(method: str, url: str, body: object = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
+        url,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"},
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
@@ -65,7 +71,7 @@ def processes(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
     cli = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING"]
-    env = os.environ | {"RELAY_WORKER_TOKEN": "w-secret"}
+    env = os.environ | {"RELAY_WORKER_TOKEN": "w-secret", "RELAY_ADMIN_TOKEN": ADMIN_TOKEN}
     proxy = subprocess.Popen(
         [
             *cli,
