@@ -414,3 +414,33 @@ async def start_task_server(config: TaskServerConfig) -> RunningTaskServer:
         assert sockets
         port = sockets[0].getsockname()[1]
     return RunningTaskServer(runner, f"http://{config.host}:{port}", server)
+
+
+async def serve_forever(config: TaskServerConfig) -> None:
+    """``rollout-relay task-server``: serve until SIGINT/SIGTERM, then cancel what runs."""
+    import signal
+
+    running = await start_task_server(config)
+    print(f"rollout-relay task server listening on {running.url}", flush=True)
+    print(f"  runs in {running.server.runs_dir}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await running.stop()
+
+
+def parse_agents(items: list[str]) -> dict[str, str]:
+    """``NAME=COMMAND`` pairs (``--agent``) as a table; ValueError names a bad one."""
+    agents = {}
+    for item in items:
+        name, sep, command = item.partition("=")
+        if not sep or not name.strip() or not command.strip():
+            raise ValueError(f"--agent {item!r}: expected NAME=COMMAND")
+        agents[name.strip()] = command.strip()
+    return agents
