@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Routes that start new work: refused while draining, counted while running.
-TURN_APIS = frozenset({"openai.chat", "openai.responses", "anthropic.messages"})
+TURN_APIS = frozenset(
+    {"openai.chat", "openai.completions", "openai.responses", "anthropic.messages"}
+)
 
 
 class ProxyState(enum.Enum):

@@ -40,6 +40,7 @@ _LATENCY_BUCKETS = (
 # Route (aiohttp's canonical path) → API label. Unknown routes are "other".
 _APIS = {
     "/{trial_id}/v1/chat/completions": "openai.chat",
+    "/{trial_id}/v1/completions": "openai.completions",
     "/{trial_id}/v1/responses": "openai.responses",
     "/{trial_id}/v1/models": "openai.models",
     "/{trial_id}/v1/messages": "anthropic.messages",

@@ -31,7 +31,7 @@ from proxy.limits import Limits, check_message_count, session_token_room, stored
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
-from proxy.sessions.accounting import plan_turn
+from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
 from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream, get_parser
 from relay import protocol
@@ -63,6 +63,9 @@ class TurnRequest:
     stop: tuple[str, ...] = ()
     # "auto" | "none" (tool calls are not parsed) | "required" | a tool's name.
     tool_choice: str = "auto"
+    # A raw prompt (legacy completions): sent as given, no chat template; ``messages``
+    # and ``tools`` are then empty.
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +144,10 @@ class TurnService:
             )
         return self.models.resolve(requested, session.model, set(served))
 
+    async def served_model(self, session: Session, requested: str) -> ServedModel:
+        """The model a request of ``session`` naming ``requested`` is served by."""
+        return await self._served(session, requested)
+
     def _unavailable(self, exc: NoWorkerAvailableError) -> ServiceUnavailableError:
         return ServiceUnavailableError(
             str(exc), retry_after=self.retry_after_seconds, code="no_worker"
@@ -154,7 +161,9 @@ class TurnService:
         check_message_count(self.limits, len(request.messages))
         served = await self._served(session, request.requested_model)
         renderer = served.renderer
-        if _large(request.messages):
+        if request.prompt_ids is not None:
+            plan = plan_raw_prompt(session, request.prompt_ids)
+        elif _large(request.messages):
             plan = await asyncio.to_thread(
                 plan_turn, session, renderer, request.messages, request.tools
             )
@@ -351,7 +360,9 @@ class TurnService:
             completion_ids=array("i", ids),
             logprobs=array("f", logprobs[: len(ids)]),
             prompt_len=len(plan.prompt_ids),
-            key=extend_key(plan.request_key, returned),
+            key=raw_prompt_key([*plan.prompt_ids, *ids])
+            if prepared.request.prompt_ids is not None
+            else extend_key(plan.request_key, returned),
             meta=TurnMeta(
                 api=prepared.request.api,
                 model=prepared.served.name,

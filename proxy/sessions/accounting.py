@@ -6,6 +6,8 @@ stored ids of the context it extends, never from a re-rendering of the history.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 from proxy.chat.messages import ChatMessage, Tool, prefix_keys
@@ -34,3 +36,37 @@ def plan_turn(
             return PromptPlan(parent, context, prompt, keys[-1], "continued")
     ids = renderer.render_conversation(messages, tools)
     return PromptPlan(None, ids, ids, keys[-1], reason)
+
+
+_RAW = b"raw-prompt"
+
+
+def raw_prompt_key(ids: Sequence[int]) -> bytes:
+    """The key of a raw-prompt context (legacy completions): a hash of its token ids.
+
+    Personalised so it never equals a message-chain key."""
+    hasher = hashlib.blake2b(digest_size=16, person=_RAW)
+    hasher.update(array("i", ids).tobytes())
+    return hasher.digest()
+
+
+def plan_raw_prompt(session: Session, prompt_ids: Sequence[int]) -> PromptPlan:
+    """A raw prompt continues the earlier raw-prompt turn whose prompt + sampled ids are
+    its longest prefix (the client sent them back verbatim and appended new ids);
+    otherwise it starts a new root. It is never re-tokenized."""
+    prompt = list(prompt_ids)
+    ends = sorted({n.end for n in session.nodes if n.end <= len(prompt)})
+    # One pass over the prompt: the hash of every candidate prefix, shortest first.
+    hasher = hashlib.blake2b(digest_size=16, person=_RAW)
+    at = 0
+    keys: list[tuple[int, bytes]] = []
+    for end in ends:
+        hasher.update(array("i", prompt[at:end]).tobytes())
+        at = end
+        keys.append((end, hasher.copy().digest()))
+    for end, key in reversed(keys):
+        index = session.by_key.get(key)
+        if index is not None and session.nodes[index].end == end:
+            return PromptPlan(index, prompt[end:], prompt, key, "continued")
+    reason = "new_session" if not session.nodes else "new_branch"
+    return PromptPlan(None, prompt, prompt, raw_prompt_key(()), reason)

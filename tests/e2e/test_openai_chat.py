@@ -269,3 +269,44 @@ async def test_tool_choice_naming_an_unknown_tool_is_400(proxy_client: ProxyClie
                 tools=TOOLS,  # type: ignore[arg-type]
                 tool_choice={"type": "function", "function": {"name": "nope"}},
             )
+
+
+async def test_n_streamed_choices_are_sibling_branches(proxy_client: ProxyClient) -> None:
+    """n=3 with stream: every choice streams its own deltas under its index, ends with its
+    own finish reason, equals the unstreamed choice of the same seed, and is its own branch;
+    usage counts all three."""
+    trial = await proxy_client.create_session()
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "pick"}],
+        "max_tokens": 16,
+        "n": 3,
+        "seed": 4,
+    }
+    async with _client(trial.base_url, trial.api_key) as client:
+        whole = await client.chat.completions.create(**kwargs)
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        ]
+    texts = {0: "", 1: "", 2: ""}
+    deltas = {0: 0, 1: 0, 2: 0}
+    finishes: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.delta.content:
+                texts[choice.index] += choice.delta.content
+                deltas[choice.index] += 1
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content or "" for c in whole.choices]
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert sum(deltas.values()) > 3  # streamed token by token, not one block per choice
+    export = await proxy_client.trajectories(trial.trial_id)
+    streamed = export["trajectories"][3:]
+    assert len(export["trajectories"]) == 6
+    assert sorted(t["turns"][0]["sampling"]["seed"] for t in streamed) == [4, 5, 6]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == sum(sum(t["response_mask"]) for t in streamed)

@@ -1,14 +1,24 @@
-"""Wire models of the OpenAI chat completions API (validated at the boundary only)."""
+"""Wire models of the OpenAI chat completions and legacy completions APIs (validated at
+the boundary only)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.chat.messages import ChatMessage, Tool, ToolCall
 from proxy.exceptions import BadRequestError
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > 16:
+        raise BadRequestError("at most 16 stop sequences", code="invalid_request")
+    return stops
 
 
 class _Lenient(BaseModel):
@@ -119,12 +129,7 @@ class ChatCompletionRequest(_Lenient):
         return [m.to_internal(i) for i, m in enumerate(self.messages)]
 
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stops) > 16:
-            raise BadRequestError("at most 16 stop sequences", code="invalid_request")
-        return stops
+        return stop_strings(self.stop)
 
     def tool_choice_name(self) -> str:
         """``auto`` | ``none`` | ``required`` | the name of the forced function."""
@@ -146,3 +151,58 @@ class ChatCompletionRequest(_Lenient):
         # Tools stay part of the context even with tool_choice "none": the template
         # rendered them, and the session's keys include them.
         return [t.to_internal() for t in self.tools or ()]
+
+
+class CompletionRequest(_Lenient):
+    """The legacy ``/v1/completions`` request: a raw prompt, no chat template."""
+
+    model: str = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    best_of: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    # vLLM's extension: the sampled ids (and the prompt's) in each choice, so a client can
+    # continue a context with the exact ids instead of re-tokenizing the text.
+    return_token_ids: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request; a batch of several is refused."""
+        prompt = self.prompt
+        single: str | list[int]
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            single = cast(str | list[int], prompt)
+        elif len(prompt) == 1:
+            single = prompt[0]
+        else:
+            raise BadRequestError(
+                f"prompt: a batch of {len(prompt)} prompts is not supported; "
+                "send one prompt per request (use n for several completions of one prompt)",
+                code="unsupported",
+            )
+        if not single:
+            raise BadRequestError("prompt: must not be empty", code="invalid_request")
+        return single
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise BadRequestError("echo is not supported", code="unsupported")
+        if self.suffix:
+            raise BadRequestError("suffix is not supported", code="unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequestError(
+                "best_of is not supported (every sampled choice is returned; use n)",
+                code="unsupported",
+            )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return stop_strings(self.stop)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import shortuuid
 from aiohttp import web
 
 from proxy.api.errors import error_body, json_response, parse_json
+from proxy.api.openai import completions
+from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import ChatCompletionRequest
 from proxy.api.sse import EventStream
 from proxy.appkeys import POOL, SERVICE, SESSIONS
-from proxy.exceptions import BadRequestError, ProxyError
+from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
-from proxy.service import TextDelta, ToolCallReady, TurnEvent, TurnRequest, TurnResult
+from proxy.service import TextDelta, ToolCallReady, TurnRequest, TurnResult
 
 
 def finish_reason(result: TurnResult) -> str:
@@ -79,8 +80,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
     parsed = parse_json(ChatCompletionRequest, await request.read())
-    if parsed.n > 1 and parsed.stream:
-        raise BadRequestError("n > 1 cannot be combined with stream", code="unsupported")
     turn = TurnRequest(
         api="openai.chat",
         requested_model=parsed.model,
@@ -97,52 +96,57 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tool_choice=parsed.tool_choice_name(),
     )
     service = request.app[SERVICE]
+    # n > 1: each choice is its own turn (a sibling branch of the session's tree), with
+    # its own seed so the choices differ.
+    turns = choice_requests(turn, parsed.n)
     if not parsed.stream:
-        # n > 1: each choice is its own turn (a sibling branch of the session's tree),
-        # with its own seed so the choices differ.
-        turns = [turn] + [
-            replace(turn, sampling=replace(turn.sampling, seed=turn.sampling.seed + i))
-            if turn.sampling.seed is not None
-            else turn
-            for i in range(1, parsed.n)
-        ]
         results = await asyncio.gather(*(service.run_turn(session, t) for t in turns))
         tokenizer = (
             service.models.models[results[0].model].renderer.tokenizer if parsed.logprobs else None
         )
         return json_response(chat_completion_body(results, int(time.time()), tokenizer))
-    prepared = await service.start(session, turn)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-    async with service.streaming(prepared) as events:
-        return await stream_chat_completion(request, events, include_usage)
+    async with streamed_choices(service, session, turns) as (prepared, events):
+        return await stream_chat_completion(
+            request, events, include_usage, choices=len(prepared), model=prepared[0].served.name
+        )
 
 
 async def stream_chat_completion(
-    request: web.Request, events: AsyncGenerator[TurnEvent, None], include_usage: bool
+    request: web.Request,
+    events: AsyncGenerator[IndexedEvent, None],
+    include_usage: bool,
+    *,
+    choices: int = 1,
+    model: str = "",
 ) -> web.StreamResponse:
-    """OpenAI chat-completion chunks, one per engine delta, then ``data: [DONE]``."""
+    """OpenAI chat-completion chunks, one per engine delta (each tagged with its choice's
+    index), then ``data: [DONE]``."""
     stream = await EventStream.open(request)
     base = {
         "id": f"chatcmpl-{shortuuid.uuid()}",
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": "",
+        "model": model,
     }
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return base | {
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
         }
 
-    await stream.send(chunk({"role": "assistant", "content": ""}))
+    done: list[TurnResult] = []
+    for index in range(choices):
+        await stream.send(chunk(index, {"role": "assistant", "content": ""}))
     try:
-        async for event in events:
+        async for index, event in events:
             if isinstance(event, TextDelta):
-                await stream.send(chunk({"content": event.text}))
+                await stream.send(chunk(index, {"content": event.text}))
             elif isinstance(event, ToolCallReady):
                 call = event.call
                 await stream.send(
                     chunk(
+                        index,
                         {
                             "tool_calls": [
                                 {
@@ -152,21 +156,22 @@ async def stream_chat_completion(
                                     "function": {"name": call.name, "arguments": call.arguments},
                                 }
                             ]
-                        }
+                        },
                     )
                 )
             else:
                 result = event.result
                 base["model"] = result.model
-                await stream.send(chunk({}, finish_reason(result)))
-                if include_usage:
-                    await stream.send(
-                        base
-                        | {
-                            "choices": [],
-                            "usage": usage(result.prompt_tokens, result.completion_tokens),
-                        }
-                    )
+                done.append(result)
+                await stream.send(chunk(index, {}, finish_reason(result)))
+        if include_usage and done:
+            await stream.send(
+                base
+                | {
+                    "choices": [],
+                    "usage": usage(done[0].prompt_tokens, sum(r.completion_tokens for r in done)),
+                }
+            )
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
         await stream.send(error_body(exc))
@@ -199,4 +204,5 @@ async def list_models(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/{trial_id}/v1/chat/completions", chat_completions)
+    completions.add_routes(app)
     app.router.add_get("/{trial_id}/v1/models", list_models)
