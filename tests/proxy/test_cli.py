@@ -1,0 +1,80 @@
+"""The CLI's refusal to run the proxy without credentials."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.cli import _secured_config, build_parser
+
+
+@pytest.fixture(autouse=True)
+def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RELAY_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("RELAY_WORKER_TOKEN", raising=False)
+
+
+def test_proxy_refuses_to_start_without_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    """No tokens and no --no-auth: no config, and the message names what is missing."""
+    assert _secured_config(build_parser().parse_args(["proxy"])) is None
+    err = capsys.readouterr().err
+    assert "--admin-token" in err
+    assert "--worker-token" in err
+    assert "--no-auth" in err
+
+
+def test_proxy_refuses_with_one_token_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both tokens are needed; only the missing one is named."""
+    args = build_parser().parse_args(["proxy", "--admin-token", "a"])
+    assert _secured_config(args) is None
+    err = capsys.readouterr().err
+    assert "--worker-token" in err
+    assert "--admin-token and" not in err
+
+
+def test_tokens_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags or RELAY_ADMIN_TOKEN / RELAY_WORKER_TOKEN reach the config."""
+    monkeypatch.setenv("RELAY_ADMIN_TOKEN", "env-admin")
+    monkeypatch.setenv("RELAY_WORKER_TOKEN", "env-worker")
+    config = _secured_config(build_parser().parse_args(["proxy"]))
+    assert config is not None
+    assert (config.admin_token, config.worker_token) == ("env-admin", "env-worker")
+    args = build_parser().parse_args(["proxy", "--admin-token", "a", "--worker-token", "w"])
+    config = _secured_config(args)
+    assert config is not None
+    assert (config.admin_token, config.worker_token) == ("a", "w")
+
+
+def test_no_auth_runs_open_and_says_so_loudly(capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-auth gives an open config, even with tokens in the environment, and a banner."""
+    args = build_parser().parse_args(["proxy", "--no-auth", "--host", "0.0.0.0"])
+    config = _secured_config(args)
+    assert config is not None
+    assert config.admin_token is None
+    assert config.worker_token is None
+    err = capsys.readouterr().err
+    assert "AUTHENTICATION IS OFF" in err
+    assert "all interfaces" in err
+
+
+def test_limits_and_tls_flags_reach_the_config() -> None:
+    """--max-messages, --max-session-tokens, --max-sessions, --tls-cert/--tls-key."""
+    args = build_parser().parse_args(
+        [
+            "proxy",
+            "--no-auth",
+            "--max-messages",
+            "7",
+            "--max-session-tokens",
+            "99",
+            "--max-sessions",
+            "3",
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+        ]
+    )
+    config = _secured_config(args)
+    assert config is not None
+    assert (config.max_messages, config.max_session_tokens, config.max_sessions) == (7, 99, 3)
+    assert (str(config.tls_cert), str(config.tls_key)) == ("c.pem", "k.pem")
