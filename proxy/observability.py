@@ -116,6 +116,11 @@ class _PoolCollector(Collector):
             "Workers removed (closed, lost or evicted for missing heartbeats)",
             value=stats.worker_disconnects,
         )
+        yield CounterMetricFamily(
+            "relay_worker_evictions",
+            "Workers evicted because they stopped answering heartbeats",
+            value=stats.worker_evictions,
+        )
         rejected = CounterMetricFamily(
             "relay_requests_rejected",
             "Generation requests refused for lack of capacity",

@@ -117,7 +117,11 @@ def make_worker_socket_handler(
                     break
                 await pool.handle_message(handle, message)
         finally:
-            await pool.remove_worker(handle, reason)
+            evicted = isinstance(ws.exception(), TimeoutError)
+            if evicted:
+                # aiohttp closed the socket: no pong came back within half a heartbeat.
+                reason = f"evicted: missed heartbeat ({ws.exception()})"
+            await pool.remove_worker(handle, reason, evicted=evicted)
             if not ws.closed:
                 await ws.close()
         return ws

@@ -180,6 +180,7 @@ class PoolStats:
     resumed: int = 0  # continued from the tokens already sampled after a worker was lost
     worker_joins: int = 0
     worker_disconnects: int = 0
+    worker_evictions: int = 0  # of the disconnects: heartbeats went unanswered
     rejected_queue_full: int = 0
     rejected_wait_timeout: int = 0
 
@@ -376,12 +377,17 @@ class WorkerPool:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await handle.link.close(reason)
 
-    async def remove_worker(self, handle: WorkerHandle, reason: str) -> None:
-        """Forget a worker; re-dispatch every request it had in flight."""
+    async def remove_worker(
+        self, handle: WorkerHandle, reason: str, *, evicted: bool = False
+    ) -> None:
+        """Forget a worker; re-dispatch every request it had in flight. ``evicted``: the
+        worker stopped answering heartbeats (rather than closing or dropping)."""
         if self.workers.get(handle.worker_id) is not handle:
             return
         del self.workers[handle.worker_id]
         self.stats.worker_disconnects += 1
+        if evicted:
+            self.stats.worker_evictions += 1
         handle.endpoint.close()
         lost = [self._calls[r] for r in handle.in_flight if r in self._calls]
         handle.in_flight.clear()

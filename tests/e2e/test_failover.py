@@ -182,7 +182,9 @@ async def test_hung_worker_is_evicted_mid_stream(
 ) -> None:
     """SIGSTOP on the worker that is streaming: it misses its heartbeat, is evicted, and
     the reply completes on the other worker."""
+    evictions = two_workers.app[POOL].stats.worker_evictions
     await _check_failover(two_workers, victim, signal.SIGSTOP)
+    assert two_workers.app[POOL].stats.worker_evictions == evictions + 1
     victim.send_signal(signal.SIGCONT)  # it notices its socket is gone and reconnects
 
 
