@@ -8,7 +8,9 @@ workers with the worker token; its worker dials in over ``wss://``.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -405,3 +407,37 @@ async def test_clients_that_do_not_trust_the_certificate_fail(
     )
     with pytest.raises(ConnectionError):
         await asyncio.wait_for(worker.run(max_attempts=1), 30 * TIMEOUT_FACTOR)
+
+
+async def test_worker_cli_dials_wss_with_a_ca_file(secured: Secured, tiny_model_dir: Path) -> None:
+    """`rollout-relay worker --proxy wss://... --ca-file CA --token W` joins over TLS."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "--log-level",
+        "WARNING",
+        "worker",
+        "--proxy",
+        secured.running.worker_url,
+        "--model",
+        str(tiny_model_dir),
+        "--token",
+        WORKER,
+        "--ca-file",
+        str(secured.ca_file),
+        "--worker-id",
+        "cli-wss",
+        env=env,
+    )
+    try:
+        pool = secured.running.app[POOL]
+        deadline = asyncio.get_running_loop().time() + 120 * TIMEOUT_FACTOR
+        while "cli-wss" not in pool.workers:
+            assert worker.returncode is None, "the worker process exited"
+            assert asyncio.get_running_loop().time() < deadline, "the worker did not join"
+            await asyncio.sleep(0.2)
+    finally:
+        worker.terminate()
+        await worker.wait()
