@@ -1,0 +1,221 @@
+"""The Harbor launcher client against a real ``harbor view`` (Harbor 0.24.0, its own Python
+3.12 environment from scripts/harbor-env.sh) on loopback.
+
+No container runtime exists here, so a trial of a Docker environment cannot execute: the
+tests assert that this is reported, not hidden. A running job is held by an environment
+loaded through Harbor's ``import_path`` (harbor_hold_env.py) to test status and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from sdk.exceptions import TaskServerError
+from sdk.taskserver.base import RunId, RunSpec, RunStatus
+from sdk.taskserver.harbor import HarborLauncherTaskServer, job_config, result_from_trial
+from tests.conftest import REPO
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.sdk.taskserver.conftest import MakeTask
+
+HARBOR = Path(os.environ.get("RELAY_HARBOR_VENV", REPO / ".cache" / "harbor-venv")) / "bin"
+WAIT = 120 * TIMEOUT_FACTOR
+
+needs_harbor = pytest.mark.skipif(
+    not (HARBOR / "harbor").exists(),
+    reason="Harbor's side environment is missing: run scripts/harbor-env.sh",
+)
+
+
+def spec_for(task: Path, agent: str = "oracle", **settings: object) -> RunSpec:
+    return RunSpec(
+        task=task,
+        agent=agent,
+        model="openai/tiny",
+        base_url="http://127.0.0.1:9/trial-h/v1",
+        api_key="sk-h",
+        timeout_seconds=60.0,
+        agent_settings=settings,
+    )
+
+
+def test_job_config_points_the_agent_at_the_trial(tmp_path: Path) -> None:
+    """The JobConfig names the agent (or its import path), the model, the trial's endpoint
+    under the agents' variable names, and the task path."""
+    spec = spec_for(tmp_path, env={"EXTRA": "1"}, kwargs={"max_turns": 3})
+    config = job_config(spec, "job-1", {"type": "docker"})
+    agent = config["agents"][0]
+    assert agent["name"] == "oracle"
+    assert agent["model_name"] == "openai/tiny"
+    assert agent["env"]["OPENAI_BASE_URL"] == "http://127.0.0.1:9/trial-h/v1"
+    assert agent["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/trial-h"
+    assert agent["env"]["OPENAI_API_KEY"] == "sk-h"
+    assert agent["env"]["EXTRA"] == "1"
+    assert agent["kwargs"] == {"max_turns": 3}
+    assert config["tasks"] == [{"path": str(tmp_path)}]
+    assert config["environment"] == {"type": "docker"}
+    custom = job_config(spec_for(tmp_path, agent="my.agents:Agent"), "job-2", {})
+    assert custom["agents"][0]["import_path"] == "my.agents:Agent"
+    assert "name" not in custom["agents"][0]
+
+
+def test_result_from_trial_reads_rewards_and_exceptions() -> None:
+    """A TrialResult's verifier rewards make SUCCEEDED; a timeout exception TIMED_OUT; an
+    exception without reward FAILED with Harbor's message."""
+    run = RunId("j")
+    ok = result_from_trial(run, {"verifier_result": {"rewards": {"reward": 1}}}, None)
+    assert (ok.status, ok.rewards, ok.error) == (RunStatus.SUCCEEDED, {"reward": 1.0}, None)
+    timed_out = result_from_trial(
+        run,
+        {
+            "verifier_result": None,
+            "exception_info": {"exception_type": "AgentTimeoutError", "exception_message": "x"},
+        },
+        None,
+    )
+    assert timed_out.status is RunStatus.TIMED_OUT
+    failed = result_from_trial(
+        run,
+        {"exception_info": {"exception_type": "RuntimeError", "exception_message": "boom"}},
+        None,
+    )
+    assert failed.status is RunStatus.FAILED
+    assert failed.error == "RuntimeError: boom"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not (HARBOR / "harbor").exists():
+        pytest.skip("Harbor's side environment is missing: run scripts/harbor-env.sh")
+    jobs = tmp_path_factory.mktemp("harbor-jobs")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HARBOR_TELEMETRY": "0",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "PYTHONPATH": str(Path(__file__).parent),  # harbor_hold_env for import_path
+    }
+    log = (jobs / "view.log").open("wb")
+    process = subprocess.Popen(
+        [
+            str(HARBOR / "harbor"),
+            "view",
+            str(jobs),
+            "--jobs",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-build",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(_wait_up(url, process))
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10 * TIMEOUT_FACTOR)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+async def _wait_up(url: str, process: subprocess.Popen[bytes]) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    async with aiohttp.ClientSession() as http:
+        while loop.time() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"harbor view exited with {process.returncode}")
+            try:
+                async with http.get(f"{url}/api/run/options") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    pytest.fail("harbor view did not come up")
+
+
+@pytest.fixture
+async def harbor(launcher: str) -> AsyncIterator[HarborLauncherTaskServer]:
+    async with HarborLauncherTaskServer(launcher) as client:
+        yield client
+
+
+@needs_harbor
+async def test_docker_trial_without_runtime_is_reported(
+    harbor: HarborLauncherTaskServer, make_task: MakeTask
+) -> None:
+    """A real Harbor job (oracle agent, Docker environment) cannot run without a container
+    runtime: the run is FAILED and the error carries Harbor's own reason."""
+    task = make_task(solve_sh="echo 42 > /app/answer.txt\n")
+    handle = await harbor.submit(spec_for(task))
+    result = await harbor.wait(handle, timeout_seconds=WAIT)
+    assert result.status is RunStatus.FAILED
+    assert result.rewards == {}
+    assert result.error is not None
+    assert "Docker" in result.error
+
+
+@needs_harbor
+async def test_invalid_job_config_is_refused(
+    harbor: HarborLauncherTaskServer, make_task: MakeTask
+) -> None:
+    """A JobConfig Harbor rejects (unknown environment type) is a TaskServerError with
+    Harbor's validation message; a task path Harbor cannot find fails the run, and the
+    error carries Harbor's log (here Harbor stops first at the missing Docker daemon)."""
+    with pytest.raises(TaskServerError, match="Invalid run configuration"):
+        await harbor.submit(spec_for(make_task(), environment={"type": "no-such-runtime"}))
+    handle = await harbor.submit(spec_for(Path("/nonexistent/task")))
+    result = await harbor.wait(handle, timeout_seconds=WAIT)
+    assert result.status is RunStatus.FAILED
+    assert result.error is not None
+    assert result.error.startswith("harbor run exited with code 1")
+
+
+@needs_harbor
+async def test_running_job_is_reported_and_cancelled(
+    harbor: HarborLauncherTaskServer, make_task: MakeTask
+) -> None:
+    """While ``harbor run`` is alive the run is RUNNING; cancel stops it (DELETE) and the
+    run is CANCELLED; cancelling again is harmless."""
+    task = make_task(solve_sh="true\n")
+    handle = await harbor.submit(
+        spec_for(task, environment={"import_path": "harbor_hold_env:HoldEnvironment"})
+    )
+    assert (await harbor.status(handle)).status is RunStatus.RUNNING
+    await harbor.cancel(handle)
+    result = await harbor.wait(handle, timeout_seconds=WAIT)
+    assert result.status is RunStatus.CANCELLED
+    await harbor.cancel(handle)
+
+
+@needs_harbor
+async def test_unknown_job_is_an_error(harbor: HarborLauncherTaskServer) -> None:
+    """Asking for a job the launcher never started is a TaskServerError."""
+    from sdk.taskserver.base import RunHandle
+
+    with pytest.raises(TaskServerError, match="does not know"):
+        await harbor.status(RunHandle(RunId("rr-never"), harbor.url))
