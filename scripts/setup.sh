@@ -14,3 +14,6 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     .venv/bin/pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install --quiet -e ".[dev]"
+# mini-swe-agent (the end-to-end third-party agent test) pins openai<3 through litellm,
+# so it gets its own environment under .cache/ instead of the dev extra.
+./scripts/mswea-env.sh
