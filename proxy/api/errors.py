@@ -12,6 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from proxy.exceptions import (
+    AuthenticationError,
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -42,6 +43,9 @@ def openai_error(exc: ProxyError) -> web.Response:
     response = json_response(error_body(exc), status=exc.status)
     if isinstance(exc, ServiceUnavailableError):
         response.headers["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, AuthenticationError):
+        # RFC 9110 §11.6.1: a 401 names the authentication scheme to use.
+        response.headers["WWW-Authenticate"] = 'Bearer realm="rollout-relay"'
     return response
 
 

@@ -213,10 +213,13 @@ async def test_agent_route_auth_matrix(
 async def test_unknown_trial_is_not_revealed(
     secured: Secured, http: aiohttp.ClientSession, trials: tuple[TrialSession, TrialSession]
 ) -> None:
-    """Without a valid key, an unknown trial answers 401 like a known one (not 404)."""
+    """Without a valid key, an unknown trial answers 401 like a known one (not 404), with
+    the scheme to use in WWW-Authenticate."""
     url = f"{secured.running.url}/no-such-trial/v1/chat/completions"
-    status, payload = await _call(http, "POST", url, {"Authorization": "Bearer x"}, {})
-    assert status == 401
+    async with http.post(url, headers={"Authorization": "Bearer x"}, json={}) as response:
+        assert response.status == 401
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        payload = await response.json()
     assert payload["error"]["type"] == "authentication_error"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.api.errors import json_response
-from proxy.exceptions import ProxyError, ServiceUnavailableError
+from proxy.exceptions import AuthenticationError, ProxyError, ServiceUnavailableError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -38,4 +38,7 @@ def anthropic_error(exc: ProxyError) -> web.Response:
     response = json_response(error_body(exc), status=exc.status)
     if isinstance(exc, ServiceUnavailableError):
         response.headers["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, AuthenticationError):
+        # RFC 9110 §11.6.1: a 401 names the authentication scheme to use.
+        response.headers["WWW-Authenticate"] = 'Bearer realm="rollout-relay"'
     return response
