@@ -42,6 +42,16 @@ class Sample:
     def sampled_tokens(self) -> int:
         return sum(self.response_mask)
 
+    @property
+    def policy_versions(self) -> list[int | None]:
+        """Per turn, the weights version the worker reported (``extra["policy_version"]``),
+        None for a turn from a worker that reports none."""
+        versions: list[int | None] = []
+        for turn in self.turns:
+            value = (turn.get("extra") or {}).get("policy_version")
+            versions.append(int(value) if isinstance(value, int | float) else None)
+        return versions
+
 
 def scalar_reward(reward: float | dict[str, float] | None, key: str | None = None) -> float | None:
     if reward is None or isinstance(reward, int | float):

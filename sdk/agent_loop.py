@@ -1,0 +1,270 @@
+"""``RemoteAgentLoop``: one task, run by a real agent on a task server, turned into samples.
+
+Framework-neutral: training-framework adapters (``sdk.verl``) wrap it. One call to
+``RemoteAgentLoop.run(task)`` does, per attempt:
+
+1. register a fresh trial on the proxy (``ProxyClient.create_session``);
+2. submit the agent run to the task server with the trial's base URL and API key;
+3. wait for it, at most ``timeout_seconds`` (then the run is cancelled);
+4. on success: complete the session with the run's reward, fetch the trajectories, build
+   samples with the configured branch policy and length limits;
+5. delete the session, whatever happened.
+
+A failed, cancelled or timed-out run is retried (at most ``max_attempts`` in all), each time
+on a NEW trial: turns sampled during a failed attempt are deleted with its session and never
+leak into the samples of the next one. When every attempt fails, ``RemoteAgentLoopError``
+carries the attempts.
+
+Policy versions: a worker that reports the weights version it sampled with (turn
+``extra["policy_version"]``, see ``worker_client.policy``) makes every sample carry the
+versions of its turns (``Sample.policy_versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sdk.client import ProxyClient, TrialSession
+from sdk.exceptions import (
+    ProxyRequestError,
+    RemoteAgentLoopError,
+    SdkError,
+    SessionNotFoundError,
+    TaskServerTimeoutError,
+)
+from sdk.samples import BranchPolicy, Sample, build_samples
+from sdk.taskserver.base import RunHandle, RunResult, RunSpec, RunStatus, TaskServer
+
+
+class AttemptState(enum.Enum):
+    """Where one attempt is. Moves forward only; ``DELETED`` is reached in all cases."""
+
+    CREATED = "created"
+    REGISTERED = "registered"  # a trial exists on the proxy
+    SUBMITTED = "submitted"  # the task server accepted the run
+    FINISHED = "finished"  # the run ended (any status)
+    COLLECTED = "collected"  # reward posted, trajectories fetched, samples built
+    DELETED = "deleted"  # the session is gone from the proxy
+
+
+_ORDER = list(AttemptState)
+
+
+@dataclass(slots=True, frozen=True)
+class AgentLoopConfig:
+    """How each task is run and turned into samples.
+
+    ``agent``/``model``/``agent_settings`` go to the task server; ``sampling`` (temperature,
+    top_p, top_k, seed, max_tokens) is the trial's sampling on the proxy, which overrides
+    what the agent asks for. ``branch_policy``: see ``sdk.samples``. ``max_prompt_tokens`` /
+    ``max_response_tokens`` truncate with explicit flags on the sample.
+    """
+
+    agent: str
+    model: str = "policy"
+    timeout_seconds: float = 1800.0
+    max_attempts: int = 2
+    branch_policy: BranchPolicy = BranchPolicy.ALL
+    reward_key: str | None = None
+    max_prompt_tokens: int | None = None
+    max_response_tokens: int | None = None
+    sampling: Mapping[str, Any] | None = None
+    agent_settings: Mapping[str, Any] = field(default_factory=dict)
+    # A finished run without any reward: retry it (True) or keep its samples unrewarded.
+    retry_without_reward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.timeout_seconds <= 0:
+            raise ValueError("timeout_seconds must be positive")
+        object.__setattr__(self, "branch_policy", BranchPolicy(self.branch_policy))
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try at a task on its own trial."""
+
+    number: int
+    state: AttemptState = AttemptState.CREATED
+    trial_id: str | None = None
+    run: RunHandle | None = None
+    result: RunResult | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        return f"<Attempt {self.number} {self.state.value} trial={self.trial_id}>"
+
+    def advance(self, state: AttemptState) -> None:
+        if _ORDER.index(state) <= _ORDER.index(self.state):
+            raise RuntimeError(f"attempt cannot go from {self.state.value} to {state.value}")
+        self.state = state
+
+
+@dataclass(slots=True)
+class RolloutResult:
+    """The outcome of one task: the samples of the successful attempt, and every attempt."""
+
+    task: Path
+    trial_id: str
+    samples: list[Sample]
+    reward: float | None
+    rewards: Mapping[str, float]
+    attempts: list[Attempt]
+    timings: dict[str, float]  # seconds: "agent_run", "collect", "total"
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """Every distinct version among the samples' turns, sorted."""
+        return sorted({v for s in self.samples for v in s.policy_versions if v is not None})
+
+
+class RemoteAgentLoop:
+    """Runs tasks through a task server against a proxy; share one per process."""
+
+    def __init__(self, proxy: ProxyClient, task_server: TaskServer, config: AgentLoopConfig):
+        self.proxy = proxy
+        self.task_server = task_server
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"<RemoteAgentLoop agent={self.config.agent} proxy={self.proxy.proxy_url}>"
+
+    async def run(
+        self,
+        task: str | Path,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> RolloutResult:
+        """Run ``task`` until one attempt succeeds (see the module docstring).
+
+        ``sampling`` overrides the configured trial sampling for this task only.
+        Raises ``RemoteAgentLoopError`` when every attempt failed.
+        """
+        task_path = Path(task)
+        started = time.monotonic()
+        attempts: list[Attempt] = []
+        for number in range(1, self.config.max_attempts + 1):
+            attempt = Attempt(number)
+            attempts.append(attempt)
+            outcome = await self._attempt(attempt, task_path, metadata, sampling)
+            if outcome is not None:
+                samples, rewards, reward, timings = outcome
+                timings["total"] = time.monotonic() - started
+                assert attempt.trial_id is not None
+                return RolloutResult(
+                    task_path, attempt.trial_id, samples, reward, rewards, attempts, timings
+                )
+        raise RemoteAgentLoopError(
+            f"{task_path}: all {len(attempts)} attempts failed: "
+            + "; ".join(f"#{a.number}: {a.error}" for a in attempts),
+            attempts,
+        )
+
+    async def _attempt(
+        self,
+        attempt: Attempt,
+        task: Path,
+        metadata: Mapping[str, Any] | None,
+        sampling: Mapping[str, Any] | None,
+    ) -> tuple[list[Sample], Mapping[str, float], float | None, dict[str, float]] | None:
+        cfg = self.config
+        trial: TrialSession | None = None
+        try:
+            trial = await self.proxy.create_session(
+                metadata={**(metadata or {}), "task": str(task), "attempt": attempt.number},
+                sampling=dict(sampling or cfg.sampling or {}) or None,
+                model=None,
+            )
+            attempt.trial_id = trial.trial_id
+            attempt.advance(AttemptState.REGISTERED)
+            spec = RunSpec(
+                task=task,
+                agent=cfg.agent,
+                model=cfg.model,
+                base_url=trial.base_url,
+                api_key=trial.api_key,
+                timeout_seconds=cfg.timeout_seconds,
+                agent_settings=dict(cfg.agent_settings),
+            )
+            run_started = time.monotonic()
+            attempt.run = await self.task_server.submit(spec)
+            attempt.advance(AttemptState.SUBMITTED)
+            result = await self._wait(attempt.run)
+            attempt.result = result
+            attempt.advance(AttemptState.FINISHED)
+            agent_seconds = time.monotonic() - run_started
+            if result.status is not RunStatus.SUCCEEDED:
+                attempt.error = f"run {result.status.value}: {result.error or 'no detail'}"
+                return None
+            if not result.rewards and cfg.retry_without_reward:
+                attempt.error = "the run produced no reward"
+                return None
+            collect_started = time.monotonic()
+            rewards = dict(result.rewards)
+            await self.proxy.complete(trial.trial_id, rewards or None)
+            export = await self.proxy.trajectories(trial.trial_id)
+            samples = build_samples(
+                export,
+                policy=cfg.branch_policy,
+                reward_key=cfg.reward_key,
+                max_prompt_tokens=cfg.max_prompt_tokens,
+                max_response_tokens=cfg.max_response_tokens,
+            )
+            if not samples:
+                attempt.error = "the agent made no model call through the proxy"
+                return None
+            attempt.advance(AttemptState.COLLECTED)
+            timings = {
+                "agent_run": agent_seconds,
+                "collect": time.monotonic() - collect_started,
+            }
+            return samples, rewards, samples[0].reward, timings
+        except SdkError as exc:
+            attempt.error = f"{type(exc).__name__}: {exc}"
+            return None
+        finally:
+            attempt.seconds = time.monotonic() - attempt.started_at
+            if trial is not None:
+                await self._delete(trial.trial_id, attempt)
+
+    async def _wait(self, handle: RunHandle) -> RunResult:
+        try:
+            return await self.task_server.wait(handle, timeout_seconds=self.config.timeout_seconds)
+        except TaskServerTimeoutError:
+            await self.task_server.cancel(handle)
+            return RunResult(
+                handle.run_id,
+                RunStatus.TIMED_OUT,
+                error=f"no result within {self.config.timeout_seconds:g}s; cancelled",
+            )
+        except asyncio.CancelledError:
+            # The caller gave up (e.g. the trainer stopped): stop the agent too.
+            await asyncio.shield(self.task_server.cancel(handle))
+            raise
+
+    async def _delete(self, trial_id: str, attempt: Attempt) -> None:
+        try:
+            await asyncio.shield(self.proxy.delete(trial_id))
+        except SessionNotFoundError:
+            pass  # already gone: the goal is reached
+        except ProxyRequestError as exc:
+            if not (exc.status == 409 and "deleted" in exc.message):
+                attempt.error = attempt.error or f"delete failed: {exc}"
+                return
+        except (SdkError, aiohttp.ClientError, OSError) as exc:
+            if attempt.error is None:
+                attempt.error = f"delete failed: {exc}"
+            return
+        attempt.advance(AttemptState.DELETED)

@@ -1,0 +1,85 @@
+"""Ray worker actors on a local CPU cluster: an hf worker actor dials the proxy, serves a
+turn, and pauses/resumes for a weight update with the new version recorded per turn."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_proxy
+from sdk.client import ProxyClient
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.ray_cluster import ray_cluster
+from worker_client.ray_actors import WorkerActorGroup
+
+__all__ = ["ray_cluster"]
+
+
+@pytest.fixture
+async def bare_proxy(tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    config = ProxyConfig(
+        port=0, worker_wait_seconds=120 * TIMEOUT_FACTOR, max_tokens=8, cache_dir=tmp_path
+    )
+    running = await start_proxy(config)
+    yield running
+    await running.stop()
+
+
+async def _turn(proxy: ProxyClient, trial_id: str, base_url: str, api_key: str) -> dict[str, Any]:
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    export = await proxy.trajectories(trial_id)
+    turns: list[dict[str, Any]] = [t for tr in export["trajectories"] for t in tr["turns"]]
+    return turns[-1]
+
+
+async def test_worker_actor_serves_and_records_policy_versions(
+    ray_cluster: Any, bare_proxy: RunningProxy, tiny_model_dir: Path
+) -> None:
+    """One actor serves turns; a paused group holds new turns until resumed on version 7."""
+    group = await WorkerActorGroup.start(
+        bare_proxy.worker_url,
+        backend="hf",
+        model=str(tiny_model_dir),
+        num_workers=1,
+        gpus_per_worker=0,
+        cpus_per_worker=1,
+        engine_options={"name": "tiny"},
+        within_seconds=180 * TIMEOUT_FACTOR,
+    )
+    try:
+        await bare_proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+        (status,) = await group.status()
+        assert status["connected"] is True
+        assert status["worker_id"] == group.worker_ids[0]
+        async with ProxyClient(bare_proxy.url) as proxy:
+            trial = await proxy.create_session()
+            turn = await _turn(proxy, trial.trial_id, trial.base_url, trial.api_key)
+            assert turn["worker_id"] == group.worker_ids[0]
+            assert turn["extra"]["policy_version"] == 0
+
+            await group.pause()
+            (status,) = await group.status()
+            assert status["state"] == "paused"
+            waiting = asyncio.create_task(
+                _turn(proxy, trial.trial_id, trial.base_url, trial.api_key)
+            )
+            await asyncio.sleep(1.0)
+            assert not waiting.done()  # held while the weights are being updated
+            await group.resume(7)
+            turn = await asyncio.wait_for(waiting, 120 * TIMEOUT_FACTOR)
+            assert turn["extra"]["policy_version"] == 7
+            (status,) = await group.status()
+            assert status["version"] == 7
+            assert status["state"] == "serving"
+            await proxy.delete(trial.trial_id)
+    finally:
+        await group.stop()

@@ -1,0 +1,220 @@
+"""Workers as Ray actors, placed with the GPUs of a training job.
+
+``WorkerActor`` runs one engine and one ``WorkerClient`` that dials OUT to the proxy, in the
+actor's own event loop. ``WorkerActorGroup.start`` reserves one placement-group bundle per
+actor (``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs each; ``strategy`` ``PACK``
+keeps them together, ``STRICT_SPREAD`` gives one per node) and starts the actors there.
+
+Weight sync across the group: ``pause(abort_in_flight=...)`` on every actor (new requests
+wait; running ones finish or are aborted), update the weights, then ``resume(version)``:
+every later turn records the new version (see ``worker_client.policy``).
+
+Ray is imported lazily: it is an optional dependency (``rollout-relay[ray]``). Ray's own
+errors are translated to ``WorkerError`` subclasses here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker_client.client import ServedModel, WorkerClient
+from worker_client.engine import Engine, LogprobsMode
+from worker_client.exceptions import EngineUnavailableError, WorkerError
+from worker_client.policy import VersionedEngine
+
+
+def load_engine(backend: str, model: str, **options: Any) -> Engine:
+    """Build an engine by backend name (``hf``, ``vllm``, ``instant``, ``openai``)."""
+    name = options.pop("name", None)
+    if backend == "hf":
+        from worker_client.backends.hf import HFEngine
+
+        return HFEngine.load(model, name=name, **options)
+    if backend == "vllm":
+        from worker_client.backends.vllm import VLLMEngine
+
+        return VLLMEngine.load(model, name=name, **options)
+    if backend == "instant":
+        from worker_client.backends.instant import InstantEngine
+
+        return InstantEngine.load(model, name=name, **options)
+    if backend == "openai":
+        from worker_client.backends.openai import OpenAIEngine
+
+        return OpenAIEngine.load(model, name=name, **options)
+    raise EngineUnavailableError(f"unknown backend {backend!r}")
+
+
+class WorkerActor:
+    """One worker process (use through ``WorkerActorGroup`` or ``ray.remote``)."""
+
+    def __init__(
+        self,
+        proxy_url: str,
+        backend: str,
+        model: str,
+        *,
+        tokenizer_dir: str | None = None,
+        token: str = "",
+        worker_id: str | None = None,
+        max_concurrency: int = 8,
+        version: int = 0,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine = VersionedEngine(
+            load_engine(backend, model, **(engine_options or {})), version=version
+        )
+        self.client = WorkerClient(
+            proxy_url,
+            {self.engine.card.name: ServedModel(self.engine, Path(tokenizer_dir or model))},
+            token=token,
+            worker_id=worker_id,
+            max_concurrency=max_concurrency,
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, within_seconds: float = 60.0) -> str:
+        """Dial the proxy; return this worker's id once connected."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.client.run())
+        waiter = asyncio.ensure_future(self.client.connected.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, timeout=within_seconds)
+        if waiter not in done:
+            waiter.cancel()
+            if self._task.done():
+                self._task.result()  # the refusal or connection error
+            raise WorkerError(f"not connected to {self.client.proxy_url} in {within_seconds}s")
+        return self.client.worker_id
+
+    async def pause(self, abort_in_flight: bool = False) -> None:
+        await self.engine.pause(abort_in_flight=abort_in_flight)
+
+    async def resume(self, version: int | None = None) -> int:
+        return await self.engine.resume(version)
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.client.worker_id,
+            "connected": self.client.connected.is_set(),
+            "model": self.engine.card.name,
+            "version": self.engine.version,
+            "state": self.engine.state.value,
+            "in_flight": self.engine.in_flight,
+        }
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        await self.engine.close()
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"Ray workers need the 'ray' package: pip install 'rollout-relay[ray]' ({exc})"
+        ) from exc
+    return ray
+
+
+@dataclass(slots=True)
+class WorkerActorGroup:
+    actors: list[Any]  # Ray actor handles of WorkerActor
+    worker_ids: list[str]
+    placement_group: Any
+
+    @classmethod
+    async def start(
+        cls,
+        proxy_url: str,
+        *,
+        backend: str,
+        model: str,
+        num_workers: int = 1,
+        gpus_per_worker: float = 1.0,
+        cpus_per_worker: float = 1.0,
+        strategy: str = "PACK",
+        tokenizer_dir: str | None = None,
+        token: str = "",
+        max_concurrency: int = 8,
+        version: int = 0,
+        logprobs_mode: LogprobsMode | None = None,
+        engine_options: dict[str, Any] | None = None,
+        within_seconds: float = 300.0,
+    ) -> WorkerActorGroup:
+        """Reserve the bundles, start ``num_workers`` actors and wait until all connect.
+        ``ray.init`` must have been called."""
+        ray = _import_ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_workers < 1:
+            raise ValueError("num_workers must be at least 1")
+        bundle = {"CPU": cpus_per_worker, "GPU": gpus_per_worker}
+        bundle = {k: v for k, v in bundle.items() if v > 0}
+        group = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy)
+        try:
+            await asyncio.wait_for(group.ready(), within_seconds)
+        except TimeoutError:
+            ray.util.remove_placement_group(group)
+            raise EngineUnavailableError(
+                f"Ray could not place {num_workers} x {bundle} ({strategy}) in {within_seconds}s"
+            ) from None
+        options = dict(engine_options or {})
+        if logprobs_mode is not None:
+            options["logprobs_mode"] = logprobs_mode
+        remote = ray.remote(WorkerActor)
+        actors = [
+            remote.options(
+                num_cpus=cpus_per_worker,
+                num_gpus=gpus_per_worker,
+                max_concurrency=max(max_concurrency, 1) + 4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=i
+                ),
+            ).remote(
+                proxy_url,
+                backend,
+                model,
+                tokenizer_dir=tokenizer_dir,
+                token=token,
+                max_concurrency=max_concurrency,
+                version=version,
+                engine_options=options,
+            )
+            for i in range(num_workers)
+        ]
+        try:
+            ids = await asyncio.gather(*(a.start.remote(within_seconds) for a in actors))
+        except Exception as exc:
+            for actor in actors:
+                ray.kill(actor)
+            ray.util.remove_placement_group(group)
+            raise WorkerError(f"Ray worker actors did not start: {exc}") from exc
+        return cls(actors, list(ids), group)
+
+    async def pause(self, *, abort_in_flight: bool = False) -> None:
+        """Pause every worker; returns once none of them runs a request."""
+        await asyncio.gather(*(a.pause.remote(abort_in_flight) for a in self.actors))
+
+    async def resume(self, version: int) -> None:
+        await asyncio.gather(*(a.resume.remote(version) for a in self.actors))
+
+    async def status(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(a.status.remote() for a in self.actors)))
+
+    async def stop(self) -> None:
+        ray = _import_ray()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(a.stop.remote() for a in self.actors))
+        for actor in self.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(self.placement_group)
+        self.actors = []
