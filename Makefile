@@ -1,7 +1,7 @@
 # The targets people expect. `make test` and `make demo` set everything up first.
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := proxy relay worker_client sdk bench
+PACKAGES := proxy relay worker_client sdk
 
 .PHONY: setup check lint typecheck test test-vllm demo up bench clean
 
@@ -11,6 +11,7 @@ setup:
 lint:
 	$(BIN)/ruff check $(PACKAGES) tests
 	$(BIN)/ruff format --check $(PACKAGES) tests
+	$(BIN)/hadolint Dockerfile
 
 typecheck:
 	$(BIN)/mypy
@@ -31,12 +32,6 @@ demo: setup
 
 up: setup
 	$(BIN)/rollout-relay up
-
-# The proxy's own overhead (instant backend, LiteLLM side by side); writes bench/RESULTS.md.
-# ~15 min on 2 cores. The LiteLLM side environment is made once under .cache/ (~1 min).
-bench: setup
-	./scripts/litellm-env.sh || echo "LiteLLM side environment unavailable: compared without it"
-	$(BIN)/python -m bench --out bench/RESULTS.md
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

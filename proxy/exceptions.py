@@ -16,7 +16,9 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── ServiceUnavailableError     503 no worker became available, queue full, draining
     │   └── TooManyRequestsError    429 too many requests waiting for this trial, or too
     │                                   many sessions (Retry-After)
-    └── ConfigurationError          startup: unusable settings (TLS files); never on the wire
+    ├── ConfigurationError          startup: unusable settings (TLS files); never on the wire
+    └── DeployError                 `rollout-relay deploy`: bad manifests or options, no
+                                        cluster, the cluster refused; never on the wire
 """
 
 from __future__ import annotations
@@ -95,3 +97,8 @@ class TooManyRequestsError(ServiceUnavailableError):
 
 class ConfigurationError(ProxyError):
     """Settings the proxy cannot start with (raised at startup, before serving)."""
+
+
+class DeployError(ProxyError):
+    """``rollout-relay deploy`` cannot go on: manifests or options it cannot render, no
+    reachable cluster, or the cluster refused a change. The message says which."""
