@@ -12,6 +12,7 @@ from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
 from proxy.config import ProxyConfig
+from proxy.durability import setup_durability
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
 from proxy.limits import Limits
 from proxy.models import ModelRegistry
@@ -83,6 +84,7 @@ def build_app(config: ProxyConfig) -> web.Application:
             models.admit,
         ),
     )
+    setup_durability(app)
     sessions.add_routes(app)
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from proxy.config import ProxyConfig
 from proxy.deploy.command import add_deploy_parser, run_deploy
-from proxy.exceptions import ConfigurationError
+from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy
 
@@ -66,6 +66,38 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         help="on SIGTERM, how long running turns may take to finish",
     )
     parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("RELAY_DATA_DIR") or None,
+        help="store sessions and turns here (SQLite, WAL) so they survive a restart"
+        " (env RELAY_DATA_DIR; default: in memory only, lost when the proxy stops)",
+    )
+    parser.add_argument(
+        "--session-idle-seconds",
+        type=float,
+        default=limits.session_idle_seconds,
+        help="complete a session after this long without a request (0: never)",
+    )
+    parser.add_argument(
+        "--session-max-age-seconds",
+        type=float,
+        default=limits.session_max_age_seconds,
+        help="complete a session at this age (0: never)",
+    )
+    parser.add_argument(
+        "--retention-seconds",
+        type=float,
+        default=limits.retention_seconds,
+        help="remove a completed session this long after it completed (0: keep)",
+    )
+    parser.add_argument(
+        "--fetched-retention-seconds",
+        type=float,
+        default=limits.fetched_retention_seconds,
+        help="remove a completed session this long after its trajectories were first"
+        " fetched (0: keep until --retention-seconds)",
+    )
+    parser.add_argument(
         "--max-messages",
         type=int,
         default=limits.max_messages,
@@ -110,6 +142,11 @@ def _config(
         max_queued_per_trial=args.max_queued_per_trial,
         heartbeat_seconds=args.heartbeat_seconds,
         drain_seconds=args.drain_seconds,
+        data_dir=Path(args.data_dir) if args.data_dir is not None else None,
+        session_idle_seconds=args.session_idle_seconds,
+        session_max_age_seconds=args.session_max_age_seconds,
+        retention_seconds=args.retention_seconds,
+        fetched_retention_seconds=args.fetched_retention_seconds,
         cache_dir=args.cache_dir or defaults.cache_dir,
     )
 
@@ -349,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ConfigurationError as exc:
+        print(f"rollout-relay: {exc.message}", file=sys.stderr)
+        return 2
+    except StorageError as exc:
         print(f"rollout-relay: {exc.message}", file=sys.stderr)
         return 2
     except ConnectionRefusedByProxy as exc:

@@ -39,4 +39,13 @@ class ProxyConfig:
     max_queued_per_trial: int = 256
     # On SIGTERM, how long running turns may take to finish before they are cancelled.
     drain_seconds: float = 30.0
+    # Where sessions and turns are stored (SQLite, WAL); None: in memory only, lost on exit.
+    data_dir: Path | None = None
+    # Session lifetime (0: no limit): an active session is completed after this long without
+    # a request, or at this age; a completed one is removed this long after it completed, or
+    # after its trajectories were first fetched.
+    session_idle_seconds: float = 3600.0
+    session_max_age_seconds: float = 86400.0
+    retention_seconds: float = 86400.0
+    fetched_retention_seconds: float = 600.0
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "rollout-relay")

@@ -14,8 +14,10 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── PayloadTooLargeError        413 request body over the limit
     ├── UpstreamError               502 the worker failed the request
     ├── ServiceUnavailableError     503 no worker became available, queue full, draining
-    │   └── TooManyRequestsError    429 too many requests waiting for this trial, or too
-    │                                   many sessions (Retry-After)
+    │   ├── TooManyRequestsError    429 too many requests waiting for this trial, or too
+    │   │                               many sessions (Retry-After)
+    │   └── StorageError            503 the session store cannot commit (or, at startup,
+    │                                   open) what must be durable
     ├── ConfigurationError          startup: unusable settings (TLS files); never on the wire
     └── DeployError                 `rollout-relay deploy`: bad manifests or options, no
                                         cluster, the cluster refused; never on the wire
@@ -102,3 +104,10 @@ class ConfigurationError(ProxyError):
 class DeployError(ProxyError):
     """``rollout-relay deploy`` cannot go on: manifests or options it cannot render, no
     reachable cluster, or the cluster refused a change. The message says which."""
+
+
+class StorageError(ServiceUnavailableError):
+    """The session store could not commit a write (nothing is acknowledged without it), or
+    could not be opened at startup."""
+
+    code = "storage_unavailable"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
@@ -33,6 +34,7 @@ from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
+from proxy.sessions.store import SessionStore
 from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream, get_parser
 from relay import protocol
 from relay.exceptions import (
@@ -50,6 +52,8 @@ from relay.pool import (
     WorkerId,
     WorkerPool,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,6 +136,8 @@ class TurnService:
         self.global_max_tokens = global_max_tokens
         self.retry_after_seconds = retry_after_seconds
         self.metrics: ProxyMetrics | None = None
+        # Where recorded turns are committed (None: in memory only).
+        self.store: SessionStore | None = None
         self.limits = Limits()
 
     async def _served(self, session: Session, requested: str) -> ServedModel:
@@ -284,7 +290,9 @@ class TurnService:
                 raise ProxyError(f"relay error: {exc}") from None
         except (asyncio.CancelledError, GeneratorExit):
             await prepared.call.cancel()
-            self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+            cut = self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+            # Nobody waits for this reply; the write is queued and committed regardless.
+            self._commit_later(prepared.session, cut.node)
             raise
         if finished is None:
             raise UpstreamError("the worker stream ended without finishing")
@@ -302,7 +310,18 @@ class TurnService:
             streamed=calls,
             stop_sequence=stopper.hit,
         )
+        # Durable before the agent is answered: TurnDone is what writes the reply's end
+        # (the whole body, or the stream's final events).
+        await self._commit(prepared.session, result.node)
         yield TurnDone(result)
+
+    async def _commit(self, session: Session, node: TurnNode) -> None:
+        if self.store is not None and _recorded(session, node):
+            await self.store.save_turn(session, node)
+
+    def _commit_later(self, session: Session, node: TurnNode) -> None:
+        if self.store is not None and _recorded(session, node):
+            self.store.save_turn(session, node).add_done_callback(_log_failed_write)
 
     @staticmethod
     def _parser(prepared: PreparedTurn) -> ToolCallStream:
@@ -408,6 +427,16 @@ class TurnService:
             completion_tokens=len(ids),
             stop_sequence=stop_sequence,
         )
+
+
+def _recorded(session: Session, node: TurnNode) -> bool:
+    """Whether ``node`` was added to the session (not when it had stopped accepting turns)."""
+    return node.index < len(session.nodes) and session.nodes[node.index] is node
+
+
+def _log_failed_write(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("a truncated turn could not be saved: %s", future.exception())
 
 
 def _call_id() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -9,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.errors import json_response, parse_json
 from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
-from proxy.exceptions import BadRequestError
+from proxy.exceptions import BadRequestError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Session, SessionState
@@ -58,6 +59,11 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
         sampling=validate_session_sampling(spec.sampling),
         model=spec.model,
     )
+    try:
+        await registry.save(session)
+    except StorageError:
+        registry.discard(session.trial_id)  # not acknowledged: the id stays free
+        raise
     return json_response(
         {
             "trial_id": session.trial_id,
@@ -82,8 +88,15 @@ async def get_session(request: web.Request) -> web.Response:
 
 
 async def get_trajectories(request: web.Request) -> web.Response:
-    session = request.app[SESSIONS].get(request.match_info["trial_id"])
-    return json_response(session.export())
+    registry = request.app[SESSIONS]
+    session = registry.get(request.match_info["trial_id"])
+    export = session.export()
+    if session.state is SessionState.COMPLETED and session.fetched_at is None:
+        # The trainer has the completed trajectories: the retention clock for fetched
+        # sessions starts (see proxy.sessions.expiry).
+        session.fetched_at = time.time()
+        await registry.save(session)
+    return json_response(export)
 
 
 async def complete_session(request: web.Request) -> web.Response:
@@ -93,11 +106,12 @@ async def complete_session(request: web.Request) -> web.Response:
     session.transition(SessionState.COMPLETED)
     session.reward = spec.reward
     request.app[POOL].forget_affinity(session.trial_id)
+    await request.app[SESSIONS].save(session)
     return json_response(session.summary(base_url(request, session)))
 
 
 async def delete_session(request: web.Request) -> web.Response:
-    session = request.app[SESSIONS].delete(request.match_info["trial_id"])
+    session = await request.app[SESSIONS].remove(request.match_info["trial_id"])
     request.app[POOL].forget_affinity(session.trial_id)
     return json_response({"trial_id": session.trial_id, "deleted": True})
 

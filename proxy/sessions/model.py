@@ -32,6 +32,12 @@ class SessionState(enum.Enum):
     DELETED = "deleted"
 
 
+class CompletedBy(enum.Enum):
+    TRAINER = "trainer"
+    IDLE_TIMEOUT = "idle_timeout"  # no request for longer than the idle timeout
+    MAX_AGE = "max_age"  # older than the maximum session age
+
+
 _ALLOWED = {
     SessionState.ACTIVE: {SessionState.COMPLETED, SessionState.DELETED},
     SessionState.COMPLETED: {SessionState.DELETED},
@@ -120,6 +126,10 @@ class Session:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     completed_at: float | None = None
+    # Who completed the session: the trainer, or the proxy when it expired.
+    completed_by: CompletedBy | None = None
+    # When the trajectories of the completed session were first fetched (retention starts).
+    fetched_at: float | None = None
     reward: float | dict[str, float] | None = None
     nodes: list[TurnNode] = field(default_factory=list)
     by_key: dict[bytes, int] = field(default_factory=dict)
@@ -129,7 +139,7 @@ class Session:
 
     # ------------------------------------------------------------------ state
 
-    def transition(self, state: SessionState) -> None:
+    def transition(self, state: SessionState, *, by: CompletedBy = CompletedBy.TRAINER) -> None:
         if state not in _ALLOWED[self.state]:
             raise ConflictError(
                 f"session {self.trial_id} is {self.state.value}", code=f"session_{self.state.value}"
@@ -138,6 +148,7 @@ class Session:
         self.updated_at = time.time()
         if state is SessionState.COMPLETED:
             self.completed_at = self.updated_at
+            self.completed_by = by
 
     def require_active(self) -> None:
         if self.state is not SessionState.ACTIVE:
@@ -251,4 +262,5 @@ class Session:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "completed_at": self.completed_at,
+            "completed_by": self.completed_by.value if self.completed_by is not None else None,
         }

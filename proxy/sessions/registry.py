@@ -9,7 +9,8 @@ import shortuuid
 
 from proxy.auth import new_trial_key
 from proxy.exceptions import BadRequestError, ConflictError, NotFoundError
-from proxy.sessions.model import Session, SessionState, TrialId
+from proxy.sessions.model import Session, SessionState, TrialId, TurnNode
+from proxy.sessions.store import LoadedState, SessionStore
 
 _TRIAL_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -29,6 +30,8 @@ class SessionRegistry:
         # Deleted trials are remembered (id only) so late agent calls get 409, not 404.
         self._deleted: OrderedDict[TrialId, None] = OrderedDict()
         self._tombstones = tombstones
+        # The durable copy (None: sessions live in memory only).
+        self.store: SessionStore | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -52,6 +55,37 @@ class SessionRegistry:
             model=model,
         )
         self._sessions[tid] = session
+        return session
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def restore(self, loaded: LoadedState) -> None:
+        """Take over what a store held (at startup, before serving)."""
+        for trial_id in loaded.tombstones:
+            self._deleted[trial_id] = None
+        for session in loaded.sessions:
+            self._sessions[session.trial_id] = session
+
+    def discard(self, trial_id: TrialId) -> None:
+        """Forget a session that was never acknowledged (its creation could not be saved)."""
+        self._sessions.pop(trial_id, None)
+
+    async def save(self, session: Session) -> None:
+        """Commit the session's row (state, reward, timestamps) to the store."""
+        if self.store is not None:
+            await self.store.save_session(session)
+
+    async def save_turn(self, session: Session, node: TurnNode) -> None:
+        """Commit a turn just added to ``session``."""
+        if self.store is not None:
+            await self.store.save_turn(session, node)
+
+    async def remove(self, trial_id: str) -> Session:
+        """``delete``, then remove the session from the store."""
+        session = self.delete(trial_id)
+        if self.store is not None:
+            await self.store.delete_session(session.trial_id)
         return session
 
     def get(self, trial_id: str) -> Session:

@@ -1,0 +1,200 @@
+"""Durability end to end: ``kill -9`` the proxy mid-episode, restart it on the same data
+directory, and the agent carries on as if nothing happened."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.e2e.test_processes import _free_port, _status, _wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _request(method: str, url: str, body: object = None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60 * TIMEOUT_FACTOR) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _json(method: str, url: str, body: object = None) -> Any:
+    status, raw = _request(method, url, body)
+    assert status < 300, raw
+    return json.loads(raw)
+
+
+class Proxy:
+    """``rollout-relay up`` (proxy + in-process worker) as a real process on a data dir."""
+
+    def __init__(self, model: Path, data_dir: Path, cache_dir: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "--log-level",
+            "WARNING",
+            "up",
+            "--port",
+            str(self.port),
+            "--model",
+            str(model),
+            "--data-dir",
+            str(data_dir),
+            "--cache-dir",
+            str(cache_dir),
+            "--max-tokens",
+            "12",
+        ]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        process = self.process
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"the proxy exited with {process.returncode}")
+            return _status(f"{self.url}/readyz") == 200
+
+        _wait_until(ready, 120)
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+
+
+@pytest.fixture
+def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Proxy]:
+    running = Proxy(tiny_model_dir, tmp_path / "data", tmp_path / "cache")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _assistant(message: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    return out
+
+
+def test_kill_9_restart_and_the_agent_continues(proxy: Proxy) -> None:
+    """Every acknowledged session and turn (streamed or not) is served byte-identical after
+    ``kill -9`` and a restart; the agent's next turn continues its context, nothing is lost
+    or duplicated, a completed session stays completed with its reward and a deleted one
+    deleted."""
+    proxy.start()
+    trial = _json("POST", f"{proxy.url}/sessions", {"metadata": {"task": "restart"}})
+    tid = trial["trial_id"]
+    agent = OpenAI(base_url=trial["base_url"], api_key=trial["api_key"], max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
+    reply = agent.chat.completions.create(model="any", messages=messages, seed=1)
+    messages += [_assistant(reply.choices[0].message), {"role": "user", "content": "and now?"}]
+    # The second turn streams: its turn must be committed before [DONE].
+    stream = agent.chat.completions.create(
+        model="any",
+        messages=messages,
+        seed=2,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+
+    done = _json("POST", f"{proxy.url}/sessions", {"trial_id": "finished-trial"})
+    other = OpenAI(base_url=done["base_url"], api_key=done["api_key"], max_retries=0)
+    other.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], seed=3)
+    _json("POST", f"{proxy.url}/sessions/finished-trial/complete", {"reward": {"pass": 1.0}})
+    _json("POST", f"{proxy.url}/sessions", {"trial_id": "gone"})
+    _json("DELETE", f"{proxy.url}/sessions/gone")
+
+    before = {
+        path: _request("GET", f"{proxy.url}{path}")
+        for path in (
+            f"/sessions/{tid}",
+            f"/sessions/{tid}/trajectories",
+            "/sessions/finished-trial",
+            "/sessions/finished-trial/trajectories",
+            "/sessions",
+        )
+    }
+    summary = json.loads(before[f"/sessions/{tid}"][1])
+    assert summary["turns"] == 2
+    assert summary["branches"] == 1
+
+    proxy.kill9()
+    proxy.start()
+
+    after = {path: _request("GET", f"{proxy.url}{path}") for path in before}
+    for path, (status, body) in before.items():
+        assert status == 200
+        assert after[path] == (status, body), path
+
+    # Deleting is durable too: the id answers 409, not 404, and cannot be registered again.
+    status, body = _request("GET", f"{proxy.url}/sessions/gone")
+    assert status == 409
+    assert json.loads(body)["error"]["code"] == "session_deleted"
+    assert _request("POST", f"{proxy.url}/sessions", {"trial_id": "gone"})[0] == 409
+
+    # The agent carries on: the third turn continues the second one.
+    agent = OpenAI(base_url=trial["base_url"], api_key=trial["api_key"], max_retries=0)
+    third = agent.chat.completions.create(model="any", messages=messages, seed=4)
+    export = _json("GET", f"{proxy.url}/sessions/{tid}/trajectories")
+    old = json.loads(before[f"/sessions/{tid}/trajectories"][1])["trajectories"][0]
+    (trajectory,) = export["trajectories"]
+    assert [t["turn"] for t in trajectory["turns"]] == [0, 1, 2]
+    assert trajectory["turns"][2]["parent"] == 1
+    assert trajectory["turns"][2]["branch_reason"] == "continued"
+    assert trajectory["prompt_ids"] == old["prompt_ids"]
+    n = len(old["response_ids"])
+    assert trajectory["response_ids"][:n] == old["response_ids"]
+    assert trajectory["response_logprobs"][:n] == old["response_logprobs"]
+    assert third.usage is not None
+    assert sum(trajectory["response_mask"][n:]) == third.usage.completion_tokens
+
+    # The completed session refuses more turns after the restart, as before it.
+    status, body = _request(
+        "POST",
+        f"{done['base_url']}/chat/completions",
+        {"model": "any", "messages": [{"role": "user", "content": "more"}]},
+    )
+    assert status == 409
+    assert json.loads(body)["error"]["code"] == "session_completed"
+
+    # A third life: the continued turn survived too, and nothing was duplicated.
+    proxy.kill9()
+    proxy.start()
+    status, body = _request("GET", f"{proxy.url}/sessions/{tid}/trajectories")
+    assert status == 200
+    assert json.loads(body) == export

@@ -1,0 +1,235 @@
+"""The SQLite session store: exact round trips, WAL mode, commit-before-ack, damage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from array import array
+from pathlib import Path
+
+import pytest
+
+from proxy.exceptions import StorageError
+from proxy.sessions.model import CompletedBy, Session, SessionState, TrialId, TurnMeta, TurnNode
+from proxy.sessions.store import DB_NAME, SessionStore, decode_array, encode_array
+
+
+def _meta(reason: str, **extra: str | int | float) -> TurnMeta:
+    return TurnMeta(
+        api="openai.chat",
+        model="tiny",
+        requested_model="gpt-x",
+        worker_id="w1",
+        finish_reason="stop",
+        sampling={"temperature": 0.7, "top_p": 0.95, "seed": 3, "max_tokens": 16},
+        created_at=1_700_000_000.123456789,
+        queue_seconds=0.0001234567891,
+        engine_seconds=1.23456789012345,
+        branch_reason=reason,
+        tool_calls=1,
+        malformed_tool_call="<tool_call>{",
+        truncated=reason == "new_branch",
+        stop_sequence="###",
+        tool_choice_unmet=False,
+        extra=dict(extra),
+    )
+
+
+def _add(
+    session: Session, parent: int | None, context: list[int], completion: list[int], key: bytes
+) -> TurnNode:
+    prompt_len = len(context) + (session.nodes[parent].end if parent is not None else 0)
+    node = TurnNode(
+        index=len(session.nodes),
+        parent=parent,
+        context_ids=array("i", context),
+        completion_ids=array("i", completion),
+        # float32 values that are not round in decimal: a text round trip would change them.
+        logprobs=array("f", [-0.1 * (i + 1) / 3 for i in range(len(completion))]),
+        prompt_len=prompt_len,
+        key=key,
+        meta=_meta("continued" if parent is not None else "new_session", num=len(completion)),
+    )
+    session.add_turn(node)
+    return node
+
+
+def _tree() -> Session:
+    """Two roots; the first has a continuation and a branch resumed from its root."""
+    s = Session(
+        TrialId("trial-1"),
+        "rr-trial-1.secret",
+        metadata={"task": "fix bug", "nested": {"a": [1, 2.5, None]}},
+        sampling={"temperature": 1.0, "max_tokens": 64},
+        model="tiny",
+    )
+    _add(s, None, [1, 2, 3, 2_000_000_000], [10, 11, -1], b"k0" * 8)
+    _add(s, 0, [4, 5], [12], b"k1" * 8)
+    _add(s, 0, [6], [13, 14, 15], b"k2" * 8)
+    _add(s, None, [7, 8], [], b"k3" * 8)  # an empty completion (aborted at once)
+    _add(s, 1, [9], [16], b"k4" * 8)
+    return s
+
+
+async def _reopen(path: Path) -> tuple[SessionStore, list[Session]]:
+    store = await SessionStore.open(path)
+    loaded = await store.load()
+    return store, loaded.sessions
+
+
+def test_arrays_round_trip_bit_exactly() -> None:
+    """Token ids and float32 logprobs come back identical, 4 bytes an item."""
+    ids = array("i", [0, 1, -1, 2**31 - 1, -(2**31)])
+    lps = array("f", [-0.0, -1e-30, -123.456, float("-inf")])
+    assert decode_array("i", encode_array(ids)) == ids
+    assert decode_array("f", encode_array(lps)).tobytes() == lps.tobytes()
+    assert len(encode_array(ids)) == 4 * len(ids)
+    with pytest.raises(ValueError, match="whole number"):
+        decode_array("i", b"\x00" * 5)
+
+
+async def test_sessions_turns_and_branches_round_trip(tmp_path: Path) -> None:
+    """A tree with branches, a completed state and a dict reward reloads identically:
+    same export, summary, continuation keys and child counts."""
+    s = _tree()
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    s.transition(SessionState.COMPLETED, by=CompletedBy.IDLE_TIMEOUT)
+    s.reward = {"tests": 1.0, "style": 0.25}
+    s.fetched_at = 1_700_000_100.5
+    await store.save_session(s)
+    other = Session(TrialId("trial-2"), "rr-trial-2.x", model=None)
+    await store.save_session(other)
+    await store.close()
+
+    store, (a, b) = await _reopen(tmp_path)
+    await store.close()
+    assert a.trial_id == "trial-1"
+    assert b.trial_id == "trial-2"
+    assert b.nodes == []
+    assert b.state is SessionState.ACTIVE
+    assert json.dumps(a.export()) == json.dumps(s.export())
+    assert json.dumps(a.summary("u")) == json.dumps(s.summary("u"))
+    assert a.api_key == s.api_key
+    assert a.completed_by is CompletedBy.IDLE_TIMEOUT
+    assert a.by_key == s.by_key
+    assert [n.children for n in a.nodes] == [n.children for n in s.nodes] == [2, 1, 0, 0, 0]
+    for x, y in zip(a.nodes, s.nodes, strict=True):
+        assert x.logprobs.tobytes() == y.logprobs.tobytes()
+        assert x.meta == y.meta
+    assert a.find_continuation([b"", b"k1" * 8, b"new"]) == (1, 1)
+
+
+async def test_wal_mode_is_on_and_persists_in_the_file(tmp_path: Path) -> None:
+    """The store runs in WAL mode, and the database file stays in WAL mode for any reader."""
+    store = await SessionStore.open(tmp_path)
+    assert await store.journal_mode() == "wal"
+    await store.save_session(Session(TrialId("t"), "k"))
+    assert (tmp_path / f"{DB_NAME}-wal").exists()
+    await store.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+async def test_a_write_is_committed_when_its_future_resolves(tmp_path: Path) -> None:
+    """Once ``save_turn`` resolves, another connection (another process after a crash)
+    already sees the turn: nothing waits in a buffer."""
+    s = _tree()
+    store = await SessionStore.open(tmp_path)
+    await store.save_turn(s, s.nodes[0])
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        rows = db.execute("SELECT trial_id, idx FROM turns").fetchall()
+        state = db.execute("SELECT state FROM sessions").fetchall()
+    await store.close()
+    assert rows == [("trial-1", 0)]
+    assert state == [("active",)]
+
+
+async def test_concurrent_writes_keep_their_order(tmp_path: Path) -> None:
+    """Many turns submitted at once (group commit) are all stored, in submission order."""
+    s = Session(TrialId("busy"), "k")
+    store = await SessionStore.open(tmp_path)
+    writes = []
+    for i in range(300):
+        node = _add(s, i - 1 if i else None, [i], [i + 1], i.to_bytes(16, "big"))
+        writes.append(store.save_turn(s, node))
+    await asyncio.gather(*writes)
+    await store.close()
+    store, (restored,) = await _reopen(tmp_path)
+    await store.close()
+    assert [n.index for n in restored.nodes] == list(range(300))
+    assert json.dumps(restored.export()) == json.dumps(s.export())
+
+
+async def test_delete_removes_turns_and_remembers_the_id(tmp_path: Path) -> None:
+    """A deleted session leaves no rows behind, only a tombstone; old tombstones are pruned."""
+    store = await SessionStore.open(tmp_path, tombstones=2)
+    s = _tree()
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    for name in ("trial-1", "x", "y"):
+        await store.delete_session(name, deleted_at={"trial-1": 1.0, "x": 2.0, "y": 3.0}[name])
+    loaded = await store.load()
+    await store.close()
+    assert loaded.sessions == []
+    assert loaded.tombstones == ["x", "y"]
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        assert db.execute("SELECT count(*) FROM turns").fetchone()[0] == 0
+
+
+async def test_absent_directory_and_database_are_created(tmp_path: Path) -> None:
+    """A data dir that does not exist yet is created, with an empty store."""
+    where = tmp_path / "a" / "b"
+    store = await SessionStore.open(where)
+    loaded = await store.load()
+    await store.close()
+    assert loaded.sessions == []
+    assert (where / DB_NAME).is_file()
+
+
+async def test_a_corrupt_database_refuses_to_open(tmp_path: Path) -> None:
+    """A file that is not a SQLite database is an error naming the file, not a silent
+    fresh start that would hide the loss."""
+    (tmp_path / DB_NAME).write_bytes(b"this is not a database at all" * 200)
+    with pytest.raises(StorageError, match=DB_NAME):
+        await SessionStore.open(tmp_path)
+    assert (tmp_path / DB_NAME).read_bytes().startswith(b"this is not")
+
+
+async def test_an_unusable_data_dir_is_an_error(tmp_path: Path) -> None:
+    """A data dir that is a file cannot hold the store."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match="data directory"):
+        await SessionStore.open(tmp_path / "file")
+
+
+async def test_a_damaged_session_is_skipped_and_the_rest_restored(tmp_path: Path) -> None:
+    """One undecodable turn row costs only its session; the rows stay for inspection."""
+    store = await SessionStore.open(tmp_path)
+    good, bad = _tree(), Session(TrialId("bad"), "k")
+    _add(bad, None, [1], [2], b"b" * 16)
+    for s in (good, bad):
+        for node in s.nodes:
+            await store.save_turn(s, node)
+    await store.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        db.execute("UPDATE turns SET completion_ids = x'0102030405' WHERE trial_id = 'bad'")
+    store = await SessionStore.open(tmp_path)
+    loaded = await store.load()
+    await store.close()
+    assert [s.trial_id for s in loaded.sessions] == ["trial-1"]
+    assert loaded.skipped == ["bad"]
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        assert db.execute("SELECT count(*) FROM turns WHERE trial_id='bad'").fetchone()[0] == 1
+
+
+async def test_writes_after_close_are_refused(tmp_path: Path) -> None:
+    """A closed store raises a storage error instead of dropping a write silently."""
+    store = await SessionStore.open(tmp_path)
+    await store.close()
+    with pytest.raises(StorageError, match="closed"):
+        store.save_session(Session(TrialId("t"), "k"))
