@@ -2,8 +2,9 @@
 3.12 environment from scripts/harbor-env.sh) on loopback.
 
 No container runtime exists here, so a trial of a Docker environment cannot execute: the
-tests assert that this is reported, not hidden. A running job is held by an environment
-loaded through Harbor's ``import_path`` (harbor_hold_env.py) to test status and cancel."""
+tests assert that this is reported, not hidden. Environments loaded through Harbor's
+``import_path`` stand in for the runtime: harbor_hold_env.py holds a job running (status,
+cancel) and harbor_local_env.py runs a whole trial as local processes."""
 
 from __future__ import annotations
 
@@ -219,3 +220,25 @@ async def test_unknown_job_is_an_error(harbor: HarborLauncherTaskServer) -> None
 
     with pytest.raises(TaskServerError, match="does not know"):
         await harbor.status(RunHandle(RunId("rr-never"), harbor.url))
+
+
+@needs_harbor
+async def test_oracle_trial_runs_in_a_local_environment(
+    harbor: HarborLauncherTaskServer, make_task: MakeTask
+) -> None:
+    """A whole Harbor trial (environment, oracle agent, verifier) runs here through an
+    environment of local processes loaded by import_path; the reward test.sh wrote comes
+    back through the launcher's TrialResult (1.0 solved, 0.0 not)."""
+    task = make_task(solve_sh="echo 42 > /app/answer.txt\n")
+    handle = await harbor.submit(
+        spec_for(task, environment={"import_path": "harbor_local_env:LocalEnvironment"})
+    )
+    result = await harbor.wait(handle, timeout_seconds=WAIT)
+    assert result.status is RunStatus.SUCCEEDED, result
+    assert result.rewards == {"reward": 1.0}
+    wrong = make_task(solve_sh="echo 41 > /app/answer.txt\n")
+    handle = await harbor.submit(
+        spec_for(wrong, environment={"import_path": "harbor_local_env:LocalEnvironment"})
+    )
+    result = await harbor.wait(handle, timeout_seconds=WAIT)
+    assert (result.status, result.rewards) == (RunStatus.SUCCEEDED, {"reward": 0.0})
