@@ -1,7 +1,7 @@
 # The targets people expect. `make test` and `make demo` set everything up first.
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := proxy relay worker_client sdk
+PACKAGES := proxy relay worker_client sdk bench
 
 .PHONY: setup check lint typecheck test test-vllm demo up bench clean
 
@@ -32,6 +32,12 @@ demo: setup
 
 up: setup
 	$(BIN)/rollout-relay up
+
+# The proxy's own overhead (instant backend, LiteLLM side by side); writes bench/RESULTS.md.
+# ~15 min on 2 cores. The LiteLLM side environment is made once under .cache/ (~1 min).
+bench: setup
+	./scripts/litellm-env.sh || echo "LiteLLM side environment unavailable: compared without it"
+	$(BIN)/python -m bench --out bench/RESULTS.md
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -227,8 +227,63 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=6)
     d.add_argument("--seed", type=int, default=1)
 
+    ts = sub.add_parser(
+        "task-server",
+        help="run Harbor-format tasks as local processes behind the run-submission API",
+    )
+    ts.add_argument("--host", default="127.0.0.1")
+    ts.add_argument("--port", type=int, default=8090)
+    ts.add_argument("--runs-dir", type=Path, default=None, help="default: a temporary directory")
+    ts.add_argument("--max-concurrent-runs", type=int, default=2)
+    ts.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="an agent the runs may name: a shell command run in the task's workspace with "
+        "OPENAI_BASE_URL, ANTHROPIC_BASE_URL, TASK_INSTRUCTION, ... set (repeatable)",
+    )
+    ts.add_argument(
+        "--token",
+        default=os.environ.get("RELAY_TASK_SERVER_TOKEN"),
+        help="bearer token the API requires (env RELAY_TASK_SERVER_TOKEN)",
+    )
+    ts.add_argument("--keep-finished", type=int, default=1000, help="finished runs kept")
+
     add_deploy_parser(sub)
     return parser
+
+
+def _task_server(args: argparse.Namespace) -> int:
+    from sdk.taskserver.server import TaskServerConfig, parse_agents, serve_forever
+
+    try:
+        agents = parse_agents(args.agent)
+    except ValueError as exc:
+        print(f"rollout-relay task-server: {exc}", file=sys.stderr)
+        return 2
+    if args.max_concurrent_runs < 1:
+        print("rollout-relay task-server: --max-concurrent-runs must be >= 1", file=sys.stderr)
+        return 2
+    if not args.token:
+        print(
+            f"rollout-relay task-server: no --token: anyone who can reach {args.host} can "
+            "submit a task, and a task's tests/test.sh runs on this machine. Keep it on "
+            "loopback or give it a token.",
+            file=sys.stderr,
+            flush=True,
+        )
+    config = TaskServerConfig(
+        host=args.host,
+        port=args.port,
+        runs_dir=args.runs_dir,
+        max_concurrent_runs=args.max_concurrent_runs,
+        agents=agents,
+        token=args.token,
+        keep_finished=args.keep_finished,
+    )
+    asyncio.run(serve_forever(config))
+    return 0
 
 
 def ensure_tiny_model(path: Path | None) -> Path:
@@ -376,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_up(_config(args, None), ensure_tiny_model(args.model)))
         elif args.command == "deploy":
             return run_deploy(args)
+        elif args.command == "task-server":
+            return _task_server(args)
         elif args.command == "demo":
             from sdk.demo import run_demo
 

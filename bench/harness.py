@@ -1,0 +1,433 @@
+"""The benchmark sections. Each returns plain dicts that ``bench.report`` turns into
+tables; ``run`` starts the processes, runs the sections asked for and stops everything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.agents import Agent, LoadResult, Target, client_session, median, percentile, run_load
+from bench.processes import Proc, Processes, wait_http
+
+SECTIONS = ("latency", "context", "memory", "profile")
+
+
+@dataclass(slots=True)
+class Sizes:
+    """How big each section is. ``quick()`` is for the harness's own test."""
+
+    concurrencies: tuple[int, ...] = (1, 64, 512)
+    turns_at: dict[int, int] = field(default_factory=lambda: {1: 300, 64: 1500, 512: 2048})
+    litellm_turns_at: dict[int, int] = field(default_factory=lambda: {1: 100, 64: 400, 512: 1024})
+    litellm_max_seconds: float | None = 45.0
+    turns_per_session: int = 8
+    reply_tokens: int = 16
+    context_tokens: tuple[int, ...] = (1024, 32768, 131072)
+    context_turns: int = 30
+    context_add_tokens: int = 300
+    memory_sessions: int = 250
+    memory_tokens: int = 32768
+    idle_sessions: int = 2000
+    profile_seconds: float = 8.0
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            concurrencies=(1, 4),
+            turns_at={1: 6, 4: 12},
+            litellm_turns_at={1: 4, 4: 8},
+            turns_per_session=3,
+            reply_tokens=8,
+            context_tokens=(256, 1024),
+            context_turns=3,
+            context_add_tokens=40,
+            memory_sessions=4,
+            memory_tokens=512,
+            idle_sessions=10,
+            profile_seconds=1.0,
+            litellm_max_seconds=None,
+        )
+
+
+@dataclass(slots=True)
+class Stack:
+    proxy: Proc
+    workers: list[Proc]
+    upstream: Proc
+    litellm: Proc | None
+
+
+def _words_for(tokens: int, tokens_per_word: float) -> int:
+    return max(1, round(tokens / tokens_per_word))
+
+
+def tokens_per_word(model_dir: Path) -> float:
+    """How many tokens one word of the agents' text costs with this tokenizer."""
+    from tokenizers import Tokenizer
+
+    from bench.agents import words
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = words(random.Random(7), 2000)
+    return len(tokenizer.encode(text, add_special_tokens=False).ids) / 2000
+
+
+def _summary(result: LoadResult) -> dict[str, Any]:
+    lat = result.latencies()
+    ttft = result.ttfts()
+    return {
+        "turns": len(result.calls),
+        "errors": result.errors,
+        "first_error": result.first_error,
+        "sessions": result.sessions,
+        "wall_s": result.wall_seconds,
+        "turns_per_s": len(result.calls) / result.wall_seconds if result.wall_seconds else 0.0,
+        "p50_ms": percentile(lat, 0.5) * 1e3,
+        "p99_ms": percentile(lat, 0.99) * 1e3,
+        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3 if ttft else None,
+        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3 if ttft else None,
+        "completion_tokens": sum(c.completion_tokens for c in result.calls),
+        "prompt_tokens_max": max((c.prompt_tokens for c in result.calls), default=0),
+    }
+
+
+async def section_latency(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
+    """Latency (and throughput, CPU) per target, concurrency and streaming mode."""
+    rows: list[dict[str, Any]] = []
+    targets = [Target("direct", stack.upstream.url), Target("proxy", stack.proxy.url)]
+    if stack.litellm is not None:
+        targets.append(Target("litellm", stack.litellm.url))
+    watched: dict[str, Proc | None] = {
+        "proxy": stack.proxy,
+        "worker": stack.workers[0],
+        "upstream": stack.upstream,
+        "litellm": stack.litellm,
+    }
+    for concurrency in sizes.concurrencies:
+        for stream in (False, True):
+            for target in targets:
+                turns = (sizes.litellm_turns_at if target.kind == "litellm" else sizes.turns_at)[
+                    concurrency
+                ]
+                holder: dict[str, float] = {}
+
+                async def on_start(holder: dict[str, float] = holder) -> None:
+                    holder.update({k: p.cpu_seconds() for k, p in watched.items() if p})
+                    holder["_t"] = time.perf_counter()
+
+                result = await run_load(
+                    target,
+                    concurrency=concurrency,
+                    total_turns=turns,
+                    turns_per_session=sizes.turns_per_session,
+                    stream=stream,
+                    max_tokens=64,
+                    on_start=on_start,
+                    max_seconds=sizes.litellm_max_seconds if target.kind == "litellm" else None,
+                )
+                cpu = {k: p.cpu_seconds() - holder[k] for k, p in watched.items() if p}
+                row = _summary(result)
+                server = {"direct": "upstream", "proxy": "proxy", "litellm": "litellm"}[target.kind]
+                n = max(len(result.calls), 1)
+                row.update(
+                    target=target.kind,
+                    concurrency=concurrency,
+                    stream=stream,
+                    server_cpu_ms_per_turn=cpu.get(server, 0.0) / n * 1e3,
+                    worker_cpu_ms_per_turn=(
+                        cpu.get("worker", 0.0) / n * 1e3 if target.kind == "proxy" else None
+                    ),
+                )
+                rows.append(row)
+                print(
+                    f"  {target.kind:8s} c={concurrency:<4d} stream={stream!s:5s} "
+                    f"turns={row['turns']} err={row['errors']} p50={row['p50_ms']:.2f}ms "
+                    f"p99={row['p99_ms']:.2f}ms {row['turns_per_s']:.0f}/s "
+                    f"cpu={row['server_cpu_ms_per_turn']:.2f}ms/turn",
+                    flush=True,
+                )
+    return rows
+
+
+async def _prime(agent: Agent, system: str) -> None:
+    await agent.new_session(system)
+
+
+async def section_context(stack: Stack, sizes: Sizes, tpw: float) -> list[dict[str, Any]]:
+    """Proxy CPU per turn when the session already holds 1k / 32k / 128k tokens."""
+    rows: list[dict[str, Any]] = []
+    async with client_session(1) as http:
+        for size in sizes.context_tokens:
+            rng = random.Random(size)
+            agent = Agent(
+                http,
+                Target("proxy", stack.proxy.url),
+                seed=size,
+                system_words=_words_for(size, tpw),
+                add_words=_words_for(sizes.context_add_tokens, tpw),
+                max_tokens=64,
+                stream=False,
+            )
+            from bench.agents import words
+
+            await agent.new_session(words(rng, _words_for(size, tpw)))
+            before = stack.proxy.cpu_seconds()
+            t0 = time.perf_counter()
+            first = await agent.turn()
+            prime_cpu = stack.proxy.cpu_seconds() - before
+            prime_wall = time.perf_counter() - t0
+            calls = []
+            before = stack.proxy.cpu_seconds()
+            for _ in range(sizes.context_turns):
+                agent.observe()
+                calls.append(await agent.turn())
+            cpu = stack.proxy.cpu_seconds() - before
+            info = await _session_info(http, stack.proxy.url, agent.trial_id)
+            rows.append(
+                {
+                    "context_tokens": first.prompt_tokens,
+                    "final_tokens": calls[-1].prompt_tokens + calls[-1].completion_tokens,
+                    "turns": len(calls),
+                    "request_bytes": len(_body_size(agent)),
+                    "cpu_ms_per_turn": cpu / len(calls) * 1e3,
+                    "p50_ms": median([c.seconds for c in calls]) * 1e3,
+                    "first_turn_cpu_ms": prime_cpu * 1e3,
+                    "first_turn_ms": prime_wall * 1e3,
+                    "continued": info.get("continued", 0),
+                }
+            )
+            r = rows[-1]
+            print(
+                f"  context {r['context_tokens']:>7d} tokens: {r['cpu_ms_per_turn']:.2f} ms CPU/turn, "
+                f"p50 {r['p50_ms']:.2f} ms, first turn {r['first_turn_ms']:.0f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def _body_size(agent: Agent) -> bytes:
+    import json
+
+    return json.dumps({"messages": agent.messages}).encode()
+
+
+async def _session_info(http: aiohttp.ClientSession, url: str, trial_id: str) -> dict[str, Any]:
+    from bench.processes import ADMIN_TOKEN
+
+    async with http.get(
+        f"{url}/sessions/{trial_id}/trajectories",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    ) as response:
+        body = await response.json()
+    reasons = [t["branch_reason"] for tr in body["trajectories"] for t in tr["turns"]]
+    return {"continued": reasons.count("continued"), "turns": len(reasons)}
+
+
+async def section_memory(stack: Stack, sizes: Sizes, tpw: float) -> dict[str, Any]:
+    """Proxy RSS per stored token (sessions of ``memory_tokens``) and per idle session."""
+    proxy = stack.proxy
+    stored = 0
+    system_words = _words_for(sizes.memory_tokens, tpw)
+    rss0 = proxy.rss_bytes()
+    sem = asyncio.Semaphore(8)
+    async with client_session(8) as http:
+
+        async def one(i: int) -> int:
+            async with sem:
+                agent = Agent(
+                    http,
+                    Target("proxy", proxy.url),
+                    seed=10_000 + i,
+                    system_words=system_words,
+                    add_words=20,
+                    max_tokens=64,
+                    stream=False,
+                )
+                await agent.new_session()
+                call = await agent.turn()
+                return call.prompt_tokens + call.completion_tokens
+
+        stored = sum(await asyncio.gather(*(one(i) for i in range(sizes.memory_sessions))))
+        await asyncio.sleep(0.5)
+        rss1 = proxy.rss_bytes()
+
+        async def idle(i: int) -> int:
+            async with sem:
+                agent = Agent(
+                    http,
+                    Target("proxy", proxy.url),
+                    seed=20_000 + i,
+                    system_words=8,
+                    add_words=4,
+                    max_tokens=8,
+                    stream=False,
+                )
+                await agent.new_session()
+                call = await agent.turn()
+                return call.prompt_tokens + call.completion_tokens
+
+        idle_tokens = sum(await asyncio.gather(*(idle(i) for i in range(sizes.idle_sessions))))
+        await asyncio.sleep(0.5)
+        rss2 = proxy.rss_bytes()
+    per_token = (rss1 - rss0) / stored if stored else float("nan")
+    out = {
+        "sessions": sizes.memory_sessions,
+        "tokens_per_session": stored / max(sizes.memory_sessions, 1),
+        "stored_tokens": stored,
+        "rss_before_mb": rss0 / 2**20,
+        "rss_after_mb": rss1 / 2**20,
+        "bytes_per_token": per_token,
+        "idle_sessions": sizes.idle_sessions,
+        "idle_tokens_each": idle_tokens / max(sizes.idle_sessions, 1),
+        "bytes_per_idle_session": (rss2 - rss1) / max(sizes.idle_sessions, 1),
+        "rss_end_mb": rss2 / 2**20,
+    }
+    print(
+        f"  memory: {per_token:.1f} B/token over {stored} tokens; "
+        f"{out['bytes_per_idle_session'] / 1024:.1f} KiB per idle session",
+        flush=True,
+    )
+    return out
+
+
+async def section_profile(stack: Stack, sizes: Sizes, out_dir: Path) -> dict[str, Any]:
+    """A py-spy profile of the proxy under streaming load (the second concurrency)."""
+    raw = out_dir / "proxy-profile.txt"
+    spy_proc = _start_py_spy(stack.proxy.popen.pid, raw)
+    if spy_proc is None:
+        return {"error": "py-spy is not installed (pip install py-spy)"}
+    await asyncio.sleep(1.0)  # let py-spy attach
+    concurrency = sizes.concurrencies[min(1, len(sizes.concurrencies) - 1)]
+    deadline = time.perf_counter() + sizes.profile_seconds
+    turns = 0
+    while time.perf_counter() < deadline:
+        result = await run_load(
+            Target("proxy", stack.proxy.url),
+            concurrency=concurrency,
+            total_turns=sizes.turns_at[concurrency],
+            turns_per_session=sizes.turns_per_session,
+            stream=True,
+        )
+        turns += len(result.calls)
+    spy_proc.send_signal(signal.SIGINT)
+    try:
+        _, err = spy_proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy_proc.kill()
+        err = b"timeout"
+    if not raw.is_file():
+        return {"error": f"py-spy failed: {err.decode(errors='replace')[-300:]}"}
+    return {
+        "raw": str(raw),
+        "turns": turns,
+        "concurrency": concurrency,
+        "top": summarize_profile(raw),
+    }
+
+
+def _start_py_spy(pid: int, raw: Path) -> subprocess.Popen[bytes] | None:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return None
+    return subprocess.Popen(
+        [spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(raw)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def summarize_profile(raw: Path, top: int = 25) -> list[tuple[str, float, float]]:
+    """(function, self %, total %) from py-spy's collapsed stacks, heaviest first."""
+    self_counts: dict[str, int] = {}
+    total_counts: dict[str, int] = {}
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack_text, _, count_text = line.rpartition(" ")
+        if not stack_text:
+            continue
+        count = int(count_text)
+        frames = [
+            f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f
+            for f in stack_text.split(";")
+        ]
+        samples += count
+        self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + count
+        for frame in set(frames):
+            total_counts[frame] = total_counts.get(frame, 0) + count
+    if not samples:
+        return []
+    ranked = sorted(self_counts.items(), key=lambda kv: -kv[1])[:top]
+    return [(name, 100 * n / samples, 100 * total_counts[name] / samples) for name, n in ranked]
+
+
+async def run(
+    model_dir: Path,
+    sizes: Sizes,
+    sections: tuple[str, ...],
+    *,
+    proxy_args: list[str],
+    with_litellm: bool,
+    durable: bool = True,
+    out_dir: Path,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``sections``; ``checkpoint`` receives the results after each section."""
+    results: dict[str, Any] = {
+        "sizes": sizes,
+        "proxy_args": proxy_args,
+        "durable": durable,
+        "load_average_start": os.getloadavg(),
+    }
+    save = checkpoint or (lambda _r: None)
+    tpw = tokens_per_word(model_dir)
+    results["tokens_per_word"] = tpw
+    with Processes() as procs:
+        proxy = procs.proxy(proxy_args, durable=durable)
+        upstream = procs.upstream(model_dir, reply_tokens=sizes.reply_tokens)
+        wait_http(proxy, "/healthz")
+        worker = procs.instant_worker(proxy, model_dir, reply_tokens=sizes.reply_tokens)
+        wait_http(proxy, "/readyz")
+        wait_http(upstream, "/healthz")
+        litellm = procs.litellm(upstream) if with_litellm else None
+        if litellm is not None:
+            try:
+                wait_http(litellm, "/health/liveliness", within=180)
+            except (RuntimeError, TimeoutError) as exc:
+                results["litellm_error"] = str(exc)[-500:]
+                litellm.stop()
+                litellm = None
+        elif with_litellm:
+            results["litellm_error"] = "LiteLLM side environment missing (make bench-litellm)"
+        stack = Stack(proxy, [worker], upstream, litellm)
+        results["log_dir"] = str(procs.log_dir)
+        if "latency" in sections:
+            print("latency / throughput", flush=True)
+            results["latency"] = await section_latency(stack, sizes)
+            save(results)
+        if "context" in sections:
+            print("long contexts", flush=True)
+            results["context"] = await section_context(stack, sizes, tpw)
+            save(results)
+        if "profile" in sections:
+            print("profile", flush=True)
+            results["profile"] = await section_profile(stack, sizes, out_dir)
+            save(results)
+        if "memory" in sections:
+            # Last: it fills the proxy with sessions.
+            print("memory", flush=True)
+            results["memory"] = await section_memory(stack, sizes, tpw)
+        results["proxy_rss_end_mb"] = proxy.rss_bytes() / 2**20
+        results["load_average_end"] = os.getloadavg()
+    return results

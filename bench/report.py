@@ -1,0 +1,207 @@
+"""Turning benchmark results into Markdown."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bench.processes import LITELLM_VENV, REPO
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def _litellm_version() -> str:
+    python = LITELLM_VENV / "bin" / "python"
+    if not python.is_file():
+        return "not installed"
+    out = subprocess.run(
+        [str(python), "-c", "from importlib.metadata import version; print(version('litellm'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def environment() -> dict[str, str]:
+    import os
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = "-"
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 2**20:.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu": f"{os.cpu_count()} cores, {_cpu_model()}",
+        "memory": mem,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "rollout-relay": f"{_version('rollout-relay')} (commit {commit})",
+        "aiohttp": _version("aiohttp"),
+        "msgspec": _version("msgspec"),
+        "websockets": _version("websockets"),
+        "transformers": _version("transformers"),
+        "litellm": _litellm_version(),
+    }
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def latency_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (concurrency, streaming); added = target minus direct."""
+    by = {(r["target"], r["concurrency"], r["stream"]): r for r in rows}
+    lines = [
+        "| concurrency | mode | direct p50 / p99 (ms) | proxy p50 / p99 (ms) | **proxy added p50 / p99** | LiteLLM p50 / p99 (ms) | LiteLLM added p50 / p99 | ratio (added p50) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (target, c, stream), direct in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if target != "direct":
+            continue
+        proxy = by.get(("proxy", c, stream))
+        lite = by.get(("litellm", c, stream))
+        for metric, label in (
+            (("p50_ms", "p99_ms"), "stream, total" if stream else "non-stream"),
+            (("ttft_p50_ms", "ttft_p99_ms"), "stream, first token"),
+        ):
+            if metric[0] == "ttft_p50_ms" and not stream:
+                continue
+
+            def pair(r: dict[str, Any] | None, m: tuple[str, str] = metric) -> str:
+                return "-" if r is None else f"{_f(r[m[0]])} / {_f(r[m[1]])}"
+
+            def added(
+                r: dict[str, Any] | None,
+                m: tuple[str, str] = metric,
+                d: dict[str, Any] = direct,
+            ) -> str:
+                if r is None or r[m[0]] is None:
+                    return "-"
+                return f"{_f(r[m[0]] - d[m[0]])} / {_f(r[m[1]] - d[m[1]])}"
+
+            ratio = "-"
+            if proxy is not None and lite is not None and lite[metric[0]] is not None:
+                ours = proxy[metric[0]] - direct[metric[0]]
+                theirs = lite[metric[0]] - direct[metric[0]]
+                ratio = f"{theirs / ours:.0f}×" if ours > 0 else "∞"
+            lines.append(
+                f"| {c} | {label} | {pair(direct)} | {pair(proxy)} | **{added(proxy)}** | "
+                f"{pair(lite)} | {added(lite)} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| target | concurrency | mode | turns | errors | turns/s (wall) | server CPU s per 1,000 turns | turns/s one core of server CPU buys | worker CPU ms/turn |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {'stream' if r['stream'] else 'non-stream'} "
+            f"| {r['turns']} | {r['errors']} | {r['turns_per_s']:.0f} | "
+            f"{r['server_cpu_ms_per_turn']:.2f} | "
+            f"{1000 / r['server_cpu_ms_per_turn'] if r['server_cpu_ms_per_turn'] else 0:.0f} | "
+            f"{_f(r['worker_cpu_ms_per_turn'])} |"
+        )
+    return "\n".join(lines)
+
+
+def context_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| context (tokens) | turns measured | request body at the end | proxy CPU ms/turn | turn p50 (ms) | continued turns | first (full) render: CPU ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['context_tokens']} | {r['turns']} | {r['request_bytes'] / 1024:.0f} KiB | "
+            f"{r['cpu_ms_per_turn']:.2f} | {r['p50_ms']:.2f} | {r['continued']} | "
+            f"{r['first_turn_cpu_ms']:.0f} |"
+        )
+    if len(rows) >= 2:
+        ratio = rows[-1]["cpu_ms_per_turn"] / rows[0]["cpu_ms_per_turn"]
+        lines.append("")
+        lines.append(
+            f"Per-turn proxy CPU at {rows[-1]['context_tokens']} tokens is **{ratio:.2f}×** "
+            f"that at {rows[0]['context_tokens']} tokens."
+        )
+    return "\n".join(lines)
+
+
+def memory_table(m: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            "| sessions | tokens each | stored tokens | proxy RSS before → after | **bytes per stored token** | idle sessions | **bytes per idle session** |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {m['sessions']} | {m['tokens_per_session']:.0f} | {m['stored_tokens']} | "
+            f"{m['rss_before_mb']:.0f} → {m['rss_after_mb']:.0f} MiB | **{m['bytes_per_token']:.1f}** | "
+            f"{m['idle_sessions']} | **{m['bytes_per_idle_session'] / 1024:.1f} KiB** |",
+        ]
+    )
+
+
+def profile_table(p: dict[str, Any]) -> str:
+    if "error" in p:
+        return f"Profile not taken: {p['error']}"
+    lines = [
+        f"py-spy, proxy process, {p['turns']} streamed turns at concurrency {p['concurrency']} "
+        f"(raw stacks: `{Path(p['raw']).name}`).",
+        "",
+        "| function (file) | self % | total % |",
+        "|---|---:|---:|",
+    ]
+    for name, self_pct, total_pct in p["top"]:
+        lines.append(f"| `{name}` | {self_pct:.1f} | {total_pct:.1f} |")
+    return "\n".join(lines)
+
+
+def render(results: dict[str, Any], env: dict[str, str], command: str) -> str:
+    parts = ["# Benchmark results", "", f"Command: `{command}`", ""]
+    parts += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()]
+    parts.append("")
+    if results.get("litellm_error"):
+        parts += [f"LiteLLM: not measured ({results['litellm_error']}).", ""]
+    if "latency" in results:
+        parts += ["## Added latency", "", latency_table(results["latency"]), ""]
+        parts += ["## Throughput and CPU", "", throughput_table(results["latency"]), ""]
+    if "context" in results:
+        parts += ["## Long contexts", "", context_table(results["context"]), ""]
+    if "memory" in results:
+        parts += ["## Memory", "", memory_table(results["memory"]), ""]
+    if "profile" in results:
+        parts += ["## Profile", "", profile_table(results["profile"]), ""]
+    return "\n".join(parts)

@@ -1,0 +1,127 @@
+"""The benchmark harness at a tiny size: it starts the real proxy, an ``instant`` worker
+and the baseline upstream, drives agents through them and reports consistent numbers.
+No timing is asserted (speed belongs to ``python -m bench``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.agents import percentile
+from bench.harness import Sizes, summarize_profile
+from tests.e2e.conftest import TIMEOUT_FACTOR
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("bench")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--no-litellm",
+            "--sections",
+            "latency,context,memory",
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(out / "RESULTS.md"),
+            "--json",
+            str(out / "results.json"),
+        ],
+        cwd=REPO,
+        check=True,
+        timeout=300 * TIMEOUT_FACTOR,
+        capture_output=True,
+    )
+    data: dict[str, object] = json.loads((out / "results.json").read_text())
+    data["_markdown"] = (out / "RESULTS.md").read_text()
+    return data
+
+
+def test_every_load_run_completes_its_turns(results: dict[str, object]) -> None:
+    """Each (target, concurrency, mode) ran exactly the turns asked for, without errors,
+    with positive latencies, throughput and token counts."""
+    sizes = Sizes.quick()
+    rows = results["latency"]
+    assert isinstance(rows, list)
+    seen = {(r["target"], r["concurrency"], r["stream"]) for r in rows}
+    assert seen == {
+        (t, c, s) for t in ("direct", "proxy") for c in sizes.concurrencies for s in (False, True)
+    }
+    for row in rows:
+        assert row["errors"] == 0, row["first_error"]
+        assert row["turns"] == sizes.turns_at[row["concurrency"]]
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["turns_per_s"] > 0
+        # Every reply carries reply_tokens tokens (the last one is eos).
+        if row["target"] == "proxy":
+            assert row["completion_tokens"] == row["turns"] * sizes.reply_tokens
+        assert row["sessions"] >= math.ceil(row["turns"] / sizes.turns_per_session)
+        if row["stream"]:
+            assert 0 < row["ttft_p50_ms"] <= row["p50_ms"] + 1e-9
+
+
+def test_long_context_turns_continue_the_session(results: dict[str, object]) -> None:
+    """The long-context runs reach the asked context sizes and every measured turn
+    continued the stored context (no re-rendering of the history)."""
+    sizes = Sizes.quick()
+    rows = results["context"]
+    assert isinstance(rows, list)
+    assert len(rows) == len(sizes.context_tokens)
+    for row, asked in zip(rows, sizes.context_tokens, strict=True):
+        assert row["context_tokens"] >= asked * 0.8
+        assert row["turns"] == sizes.context_turns
+        assert row["continued"] == sizes.context_turns
+        assert row["final_tokens"] > row["context_tokens"]
+        assert row["cpu_ms_per_turn"] >= 0
+
+
+def test_memory_section_counts_the_stored_tokens(results: dict[str, object]) -> None:
+    """The memory run stored the sessions it made and measured the proxy's RSS."""
+    sizes = Sizes.quick()
+    memory = results["memory"]
+    assert isinstance(memory, dict)
+    assert memory["sessions"] == sizes.memory_sessions
+    assert memory["stored_tokens"] >= sizes.memory_sessions * sizes.memory_tokens * 0.8
+    assert memory["rss_after_mb"] > 0
+
+
+def test_markdown_report_has_every_table(results: dict[str, object]) -> None:
+    """RESULTS.md names the machine and has the latency, throughput, context and memory
+    tables."""
+    text = results["_markdown"]
+    assert isinstance(text, str)
+    for heading in ("## Added latency", "## Throughput and CPU", "## Long contexts", "## Memory"):
+        assert heading in text
+    assert "cores" in text
+    assert "python -m bench" in text
+
+
+def test_percentile_interpolates() -> None:
+    """p50/p99 are linear-interpolated order statistics."""
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([5.0], 0.99) == 5.0
+    assert math.isnan(percentile([], 0.5))
+
+
+def test_profile_summary_ranks_self_time(tmp_path: Path) -> None:
+    """py-spy's collapsed stacks become (function, self %, total %) rows."""
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "main (a.py:1);handle (b.py:2);encode (c.py:3) 6\n"
+        "main (a.py:1);handle (b.py:9) 3\n"
+        "main (a.py:1) 1\n"
+    )
+    top = summarize_profile(raw)
+    assert top[0] == ("encode (c.py)", 60.0, 60.0)
+    assert ("handle (b.py)", 30.0, 90.0) in top
