@@ -1,0 +1,191 @@
+"""The ``openai`` backend: an existing vLLM or SGLang OpenAI-compatible server upstream.
+
+The worker stays token-in/token-out: it POSTs ``/v1/completions`` with the prompt as a
+list of token ids (no re-tokenization upstream), ``return_token_ids: true`` (vLLM's
+extension: each choice carries the sampled ``token_ids``) and ``logprobs: 0`` (the
+sampled token's logprob per position, in ``logprobs.token_logprobs``), streaming, and
+``skip_special_tokens: false``. Stopping follows ``SamplingParams``: the model's own EOS
+and ``stop_token_ids``; the stop token is part of ``token_ids``.
+
+Which distribution the logprobs come from is the upstream's setting (vLLM's
+``--logprobs-mode``); announce it with ``logprobs_mode``. Aborting closes the stream, which
+vLLM and SGLang treat as a cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
+from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+
+BACKEND = "openai"
+
+_FINISH: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+def completion_request(
+    model: str, prompt_ids: Sequence[int], sampling: SamplingParams
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one generation."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": True,
+    }
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    return body
+
+
+def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
+    """One streamed completion chunk as a ``TokenChunk`` (None for a chunk with no choice,
+    e.g. a usage-only one). Raises ``EngineError`` when ids or logprobs are missing."""
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise EngineError(
+            "the upstream returned no token_ids: it must support return_token_ids (vLLM >= 0.10)"
+        )
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if token_ids and (logprobs is None or len(logprobs) != len(token_ids)):
+        raise EngineError("the upstream returned token ids without one logprob each")
+    reason = choice.get("finish_reason")
+    finish = None
+    if reason is not None:
+        finish = _FINISH.get(str(reason))
+        if finish is None:
+            raise EngineError(f"the upstream ended with finish reason {reason!r}")
+    return TokenChunk([int(t) for t in token_ids], [float(lp) for lp in logprobs or []], finish)
+
+
+class OpenAIEngine:
+    def __init__(
+        self,
+        base_url: str,
+        card: ModelCard,
+        *,
+        upstream_model: str,
+        api_key: str | None = None,
+        timeout_seconds: float = 600.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._card = card
+        self.upstream_model = upstream_model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._http: aiohttp.ClientSession | None = None
+        self._running: dict[str, asyncio.Event] = {}
+
+    def __repr__(self) -> str:
+        return f"<OpenAIEngine {self._card.name} → {self.base_url} running={len(self._running)}>"
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        base_url: str,
+        name: str | None = None,
+        upstream_model: str | None = None,
+        api_key: str | None = None,
+        max_model_len: int | None = None,
+        logprobs_mode: LogprobsMode = LogprobsMode.RAW,
+    ) -> OpenAIEngine:
+        """``model_dir`` holds the model's tokenizer and config (the proxy renders with
+        them); ``base_url`` is the upstream's ``.../v1``."""
+        path = Path(model_dir)
+        window = max_model_len
+        if window is None:
+            try:
+                config = json.loads((path / "config.json").read_text())
+            except (OSError, ValueError) as exc:
+                raise EngineUnavailableError(f"{path}: no readable config.json: {exc}") from exc
+            window = int(config.get("max_position_embeddings", 0)) or None
+        if window is None:
+            raise EngineUnavailableError("give max_model_len: config.json declares no window")
+        card = ModelCard(name or path.name, window, LogprobsMode(logprobs_mode), BACKEND)
+        return cls(base_url, card, upstream_model=upstream_model or card.name, api_key=api_key)
+
+    @property
+    def card(self) -> ModelCard:
+        return self._card
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        return self._http
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        if len(prompt_ids) >= self._card.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the "
+                f"{self._card.max_model_len}-token window"
+            )
+        body = completion_request(self.upstream_model, prompt_ids, sampling)
+        aborted = self._running.setdefault(request_id, asyncio.Event())
+        try:
+            async with self._session().post(f"{self.base_url}/completions", json=body) as response:
+                if response.status >= 400:
+                    text = (await response.text())[:500]
+                    if response.status == 400 and "context" in text.lower():
+                        raise PromptTooLongError(text)
+                    raise EngineError(f"upstream answered {response.status}: {text}")
+                async for raw in response.content:
+                    if aborted.is_set():
+                        yield TokenChunk([], [], FinishReason.ABORT)
+                        return
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = chunk_from_event(json.loads(data))
+                    if chunk is None or (chunk.finish_reason is None and not chunk.token_ids):
+                        continue
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"upstream {self.base_url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._running.pop(request_id, None)
+        raise EngineError("the upstream stream ended without a finish reason")
+
+    async def abort(self, request_id: str) -> None:
+        event = self._running.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
