@@ -132,7 +132,7 @@ async def test_logprobs_are_the_recorded_ones(proxy_client: ProxyClient, tokeniz
     ids = trajs[0]["response_ids"]
     assert lp.tokens == [tokenizer.decode([i]) for i in ids]
     assert lp.token_logprobs == pytest.approx(trajs[0]["response_logprobs"], abs=1e-6)
-    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs, strict=True)]  # type: ignore[arg-type]
+    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs, strict=True)]
     assert lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset)
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]

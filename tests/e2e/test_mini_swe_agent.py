@@ -128,6 +128,7 @@ async def test_mini_swe_agent_episode_is_recorded_token_exact(
         if ids and ids[-1] in stop_ids:
             ids = ids[:-1]
         text = tokenizer.decode(ids, skip_special_tokens=False)
+        assert isinstance(text, str)
         message = response["choices"][0]["message"]
         content = message.get("content") or ""
         calls = message.get("tool_calls") or []
