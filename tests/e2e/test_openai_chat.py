@@ -15,6 +15,7 @@ from proxy.appkeys import POOL
 from proxy.embedded import RunningProxy
 from sdk.client import ProxyClient
 from sdk.demo import TOOLS
+from tests.e2e.conftest import TIMEOUT_FACTOR
 
 pytestmark = pytest.mark.e2e
 
@@ -310,3 +311,35 @@ async def test_n_streamed_choices_are_sibling_branches(proxy_client: ProxyClient
     assert sorted(t["turns"][0]["sampling"]["seed"] for t in streamed) == [4, 5, 6]
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == sum(sum(t["response_mask"]) for t in streamed)
+
+
+async def test_disconnect_mid_stream_truncates_every_choice(
+    stack: RunningProxy, proxy_client: ProxyClient
+) -> None:
+    """A client that leaves an n=2 stream cancels both generations; each choice's sampled
+    part is recorded as its own truncated branch."""
+    trial = await proxy_client.create_session(sampling={"seed": 1, "max_tokens": 60})
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "long answers"}],
+        "stream": True,
+        "n": 2,
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{trial.base_url}/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        await response.content.readline()  # the first chunk; then the client goes away
+    for _ in range(int(200 * TIMEOUT_FACTOR)):
+        if (await proxy_client.get_session(trial.trial_id))["turns"] == 2:
+            break
+        await asyncio.sleep(0.05)
+    trajectories = (await proxy_client.trajectories(trial.trial_id))["trajectories"]
+    assert len(trajectories) == 2
+    for traj in trajectories:
+        (turn,) = traj["turns"]
+        assert turn["truncated"] is True
+        assert turn["finish_reason"] == "abort"
+        assert turn["completion_tokens"] < 60
+    assert stack.app[POOL].in_flight == 0
