@@ -9,6 +9,7 @@ cancel) and harbor_local_env.py runs a whole trial as local processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -98,17 +99,16 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not (HARBOR / "harbor").exists():
-        pytest.skip("Harbor's side environment is missing: run scripts/harbor-env.sh")
-    jobs = tmp_path_factory.mktemp("harbor-jobs")
+@contextlib.contextmanager
+def launch_harbor_view(jobs: Path) -> Iterator[str]:
+    """A real ``harbor view`` launcher on a free loopback port, stopped afterwards. The
+    stand-in environments and agent of this folder are importable by Harbor."""
     port = _free_port()
     env = {
         **os.environ,
         "HARBOR_TELEMETRY": "0",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "PYTHONPATH": str(Path(__file__).parent),  # harbor_hold_env for import_path
+        "PYTHONPATH": str(Path(__file__).parent),
     }
     log = (jobs / "view.log").open("wb")
     process = subprocess.Popen(
@@ -140,6 +140,14 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not (HARBOR / "harbor").exists():
+        pytest.skip("Harbor's side environment is missing: run scripts/harbor-env.sh")
+    with launch_harbor_view(tmp_path_factory.mktemp("harbor-jobs")) as url:
+        yield url
 
 
 async def _wait_up(url: str, process: subprocess.Popen[bytes]) -> None:
