@@ -288,6 +288,12 @@ class TurnService:
                 raise self._unavailable(exc) from None
             except RelayError as exc:
                 raise ProxyError(f"relay error: {exc}") from None
+        except ProxyError:
+            if detok.ids:
+                # The worker failed mid-turn: what it sampled is kept as a truncated turn.
+                cut = self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+                self._commit_later(prepared.session, cut.node)
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             await prepared.call.cancel()
             cut = self._record(prepared, detok.ids, logprobs, None, None, truncated=True)

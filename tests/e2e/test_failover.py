@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from openai import AsyncOpenAI
 
 from proxy.appkeys import MODELS, POOL
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from relay import protocol
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed
 
@@ -194,3 +196,44 @@ async def test_worker_killed_mid_stream(
     """SIGKILL on the worker that is streaming: the reply goes on from the tokens already
     sampled on the other worker and the agent sees one normal, complete stream."""
     await _check_failover(two_workers, victim, signal.SIGKILL)
+
+
+async def test_worker_error_mid_stream_keeps_what_was_sampled(stack: RunningProxy) -> None:
+    """A worker that reports an error after streaming some tokens: the agent gets a clear
+    error event, and the tokens sampled so far are recorded as a truncated turn."""
+    pool = stack.app[POOL]
+    (handle,) = pool.workers.values()
+    async with ProxyClient(stack.url) as proxy:
+        seed = await _long_seed_on(proxy)
+        trial = await proxy.create_session()
+        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
+            stream = await c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "tell"}],
+                max_tokens=48,
+                seed=seed,
+                stream=True,
+            )
+            chunks = aiter(stream)
+            text = ""
+            while not text:
+                chunk = await anext(chunks)
+                text = "".join(ch.delta.content or "" for ch in chunk.choices)
+            (rid,) = handle.in_flight
+            await pool.handle_message(handle, protocol.Error("engine_error", "device lost", rid))
+            with pytest.raises(openai.APIError, match="device lost"):
+                async for _ in chunks:
+                    pass
+        summary = await proxy.get_session(trial.trial_id)
+        export = await proxy.trajectories(trial.trial_id)
+    assert summary["turns"] == 1
+    (turn,) = export["trajectories"][0]["turns"]
+    assert turn["truncated"] is True
+    assert turn["finish_reason"] == "abort"
+    assert 1 <= turn["completion_tokens"] < 48
+
+
+async def _long_seed_on(proxy: ProxyClient) -> int:
+    probe = await proxy.create_session()
+    async with AsyncOpenAI(base_url=probe.base_url, api_key=probe.api_key, max_retries=0) as c:
+        return await _long_seed(c)
