@@ -54,8 +54,8 @@ def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         a.add_argument(
             "--overlay",
             default="prod",
-            help="an overlay under the manifests' overlays/ (dev, prod) or a kustomization"
-            " directory (default: prod)",
+            help="an overlay under the manifests' overlays/ (dev, prod), base, or a"
+            " kustomization directory (default: prod)",
         )
         a.add_argument(
             "--manifests",
@@ -120,7 +120,7 @@ def _overlay_dir(args: argparse.Namespace) -> Path:
 
     manifests = args.manifests or default_manifest_dir()
     named = manifests / "overlays" / args.overlay
-    for candidate in (named, Path(args.overlay)):
+    for candidate in (named, manifests / args.overlay, Path(args.overlay)):
         if (candidate / "kustomization.yaml").is_file():
             return candidate
     raise DeployError(

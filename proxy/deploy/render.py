@@ -77,13 +77,17 @@ def default_manifest_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "deploy"
 
 
-def _load_documents(path: Path) -> list[Manifest]:
+def _load_yaml(path: Path) -> list[Any]:
     try:
-        documents = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+        return list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
     except OSError as exc:
         raise DeployError(f"cannot read {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise DeployError(f"{path} is not valid YAML: {exc}") from None
+
+
+def _load_documents(path: Path) -> list[Manifest]:
+    documents = _load_yaml(path)
     objects: list[Manifest] = []
     for document in documents:
         if document is None:
@@ -98,8 +102,8 @@ def _kustomization(directory: Path) -> Manifest:
     path = directory / "kustomization.yaml"
     if not path.is_file():
         raise DeployError(f"{directory} has no kustomization.yaml")
-    documents = _load_documents(path)
-    if len(documents) != 1:
+    documents = _load_yaml(path)
+    if len(documents) != 1 or not isinstance(documents[0], dict):
         raise DeployError(f"{path} must hold exactly one Kustomization")
     spec = documents[0]
     unknown = sorted(set(spec) - _KUSTOMIZATION_FIELDS)
@@ -152,9 +156,13 @@ def _apply_patch(directory: Path, objects: list[Manifest], patch: Manifest) -> N
     if unsupported or not target:
         raise DeployError(f"{directory}: a patch needs a target of kind and name only")
     if "path" in patch:
-        operations = yaml.safe_load((directory / patch["path"]).read_text(encoding="utf-8"))
+        documents = _load_yaml(directory / patch["path"])
+        operations = documents[0] if len(documents) == 1 else None
     else:
-        operations = yaml.safe_load(patch.get("patch", ""))
+        try:
+            operations = yaml.safe_load(patch.get("patch", ""))
+        except yaml.YAMLError as exc:
+            raise DeployError(f"{directory}: a patch is not valid YAML: {exc}") from None
     if not isinstance(operations, list):
         raise DeployError(
             f"{directory}: only JSON patches (RFC 6902, a list of operations) are supported"
