@@ -14,6 +14,11 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     .venv/bin/pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install --quiet -e ".[dev]"
+# verl for the `remote_agent` loop and the verl backend, without its dependency pins (see
+# the `verl` extra in pyproject.toml, which carries what importing its agent loop needs).
+if ! .venv/bin/python -c 'import verl' 2>/dev/null; then
+    .venv/bin/pip install --quiet --no-deps "verl==${VERL_VERSION:-0.9.1}"
+fi
 # mini-swe-agent (the end-to-end third-party agent test) pins openai<3 through litellm,
 # so it gets its own environment under .cache/ instead of the dev extra.
 ./scripts/mswea-env.sh

@@ -1,0 +1,356 @@
+"""verl adapter: ``RemoteAgentLoop``, registered as verl agent loop ``remote_agent``.
+
+verl (``verl.experimental.agent_loop``) builds one loop object per sample and calls
+``run(sampling_params, **row)``. This loop runs the row's task through
+``sdk.agent_loop.RemoteAgentLoop`` (a real agent on a task server, against the proxy) and
+returns verl's ``AgentLoopOutput`` for ONE trajectory of the session:
+
+* ``prompt_ids`` / ``response_ids`` / ``response_mask`` / ``response_logprobs``: the exact
+  ids and logprobs the policy sampled, cut to ``rollout.prompt_length`` /
+  ``rollout.response_length`` (verl pads to those; a cut is flagged in ``extra_fields``
+  as ``prompt_truncated`` / ``response_truncated``, never silent);
+* ``reward_score``: the task server's reward; ``num_turns``: model calls in the trajectory;
+* ``extra_fields``: ``min_global_steps`` / ``max_global_steps`` (verl's own names) and
+  ``policy_versions`` (per turn), ``trial_id``, ``attempts``;
+* ``metrics.generate_sequences``: seconds the agent run took.
+
+verl expects one output per sample, so the branch policy is ``longest`` (default) or
+``last`` (see ``sdk.samples``).
+
+Configuration comes from verl's config, never from the environment: the entry of the
+agent-loop YAML (``actor_rollout_ref.rollout.agent.agent_loop_config_path``) may carry the
+settings as keys next to ``name`` and ``_target_``; keys missing there are read from a
+``remote_agent`` section of the trainer config (``+remote_agent.proxy_url=...``). See
+``examples/verl/`` for a PPO/GRPO run.
+
+Settings: ``proxy_url`` (required), ``admin_token``, ``task_server`` (``{"factory":
+"module:callable", ...keyword arguments}``; the callable returns a ``TaskServer``),
+``agent``, ``model``, ``timeout_seconds``, ``max_attempts``, ``branch_policy``,
+``reward_key``, ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
+the task directory, default ``task_path``), ``max_tokens_per_call``, ``serve_rollout`` with ``worker_url`` / ``worker_token`` /
+``served_model`` (the job's own rollout replicas serve the proxy through a worker with the
+``verl`` backend, started once per process; the policy version of each turn is then verl's
+``global_steps``), ``on_failure``
+(``raise``, or ``empty``: a fully masked output with reward 0 and
+``extra_fields["remote_agent_failed"] = True``).
+
+verl builds a new loop object per sample, so the proxy client, the task server and the
+core loop are built once per process (and event loop) and shared by every instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopBase,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    _agent_loop_registry,
+    register,
+)
+
+from sdk.agent_loop import AgentLoopConfig, RolloutResult
+from sdk.agent_loop import RemoteAgentLoop as AgentLoopCore
+from sdk.client import ProxyClient
+from sdk.exceptions import RemoteAgentLoopError
+from sdk.samples import BranchPolicy, Sample
+from sdk.taskserver.base import TaskServer
+
+AGENT_NAME = "remote_agent"
+CONFIG_SECTION = "remote_agent"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class RemoteAgentSettings:
+    proxy_url: str
+    task_server: Mapping[str, Any]
+    agent: str
+    admin_token: str | None = None
+    model: str = "policy"
+    timeout_seconds: float = 1800.0
+    max_attempts: int = 2
+    branch_policy: str = "longest"
+    reward_key: str | None = None
+    agent_settings: Mapping[str, Any] = field(default_factory=dict)
+    task_field: str = "task_path"
+    max_tokens_per_call: int | None = None
+    on_failure: str = "raise"
+    # Serve the proxy from this job's own rollout replicas: a worker with the ``verl``
+    # backend around verl's rollout client dials ``worker_url`` (once per process).
+    serve_rollout: bool = False
+    worker_url: str | None = None
+    worker_token: str = ""
+    served_model: str | None = None
+
+    @classmethod
+    def from_sources(cls, kwargs: Mapping[str, Any], section: Any) -> RemoteAgentSettings:
+        merged: dict[str, Any] = dict(_plain(section) or {})
+        merged.update({k: _plain(v) for k, v in kwargs.items()})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ValueError(f"{AGENT_NAME}: unknown settings {unknown}")
+        missing = [k for k in ("proxy_url", "task_server", "agent") if not merged.get(k)]
+        if missing:
+            raise ValueError(
+                f"{AGENT_NAME}: set {missing} in the agent-loop YAML entry or in the "
+                f"trainer config section `{CONFIG_SECTION}`"
+            )
+        settings = cls(**merged)
+        if BranchPolicy(settings.branch_policy) is BranchPolicy.ALL:
+            raise ValueError(
+                f"{AGENT_NAME}: verl takes one trajectory per sample; use longest or last"
+            )
+        if settings.on_failure not in {"raise", "empty"}:
+            raise ValueError(f"{AGENT_NAME}: on_failure must be 'raise' or 'empty'")
+        if settings.serve_rollout and not settings.worker_url:
+            raise ValueError(f"{AGENT_NAME}: serve_rollout needs worker_url (ws://proxy/ws/worker)")
+        return settings
+
+    def key(self) -> str:
+        return json.dumps(
+            {k: getattr(self, k) for k in self.__dataclass_fields__}, sort_keys=True, default=str
+        )
+
+
+def build_task_server(spec: Mapping[str, Any]) -> TaskServer:
+    """``{"factory": "module:callable", **kwargs}`` → ``callable(**kwargs)``."""
+    options = dict(spec)
+    factory = options.pop("factory", None)
+    if not isinstance(factory, str) or ":" not in factory:
+        raise ValueError(f"{AGENT_NAME}: task_server.factory must be 'module:callable'")
+    module, _, attr = factory.partition(":")
+    server: TaskServer = getattr(importlib.import_module(module), attr)(**options)
+    return server
+
+
+@dataclass(slots=True)
+class _Shared:
+    proxy: ProxyClient
+    task_server: TaskServer
+    settings: RemoteAgentSettings
+    worker: asyncio.Task[None] | None = None
+
+
+# One proxy client and task server per (settings, event loop) in this process.
+_SHARED: dict[tuple[str, int], _Shared] = {}
+
+
+def _shared(settings: RemoteAgentSettings) -> _Shared:
+    key = (settings.key(), id(asyncio.get_running_loop()))
+    found = _SHARED.get(key)
+    if found is None:
+        found = _Shared(
+            ProxyClient(settings.proxy_url, admin_token=settings.admin_token),
+            build_task_server(settings.task_server),
+            settings,
+        )
+        _SHARED[key] = found
+    return found
+
+
+async def close_shared() -> None:
+    """Close the clients this process built (end of training, or tests)."""
+    loop = id(asyncio.get_running_loop())
+    for key in [k for k in _SHARED if k[1] == loop]:
+        shared = _SHARED.pop(key)
+        if shared.worker is not None:
+            shared.worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await shared.worker
+        await shared.task_server.aclose()
+        await shared.proxy.aclose()
+
+
+def trial_sampling(
+    sampling_params: Mapping[str, Any], response_length: int | None, cap: int | None
+) -> dict[str, Any]:
+    """verl's per-sample sampling (temperature, top_p, top_k with -1 = off) as the trial's."""
+    sampling: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        if sampling_params.get(key) is not None:
+            sampling[key] = float(sampling_params[key])
+    top_k = sampling_params.get("top_k")
+    if top_k is not None and int(top_k) > 0:
+        sampling["top_k"] = int(top_k)
+    limits = [v for v in (response_length, cap) if v]
+    if limits:
+        sampling["max_tokens"] = int(min(limits))
+    return sampling
+
+
+def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
+    versions = [v for v in sample.policy_versions if v is not None]
+    extra = {
+        "trial_id": result.trial_id,
+        "attempts": len(result.attempts),
+        "policy_versions": sample.policy_versions,
+        "min_global_steps": min(versions) if versions else None,
+        "max_global_steps": max(versions) if versions else None,
+        "prompt_truncated": sample.prompt_truncated,
+        "response_truncated": sample.response_truncated,
+    }
+    return AgentLoopOutput(
+        prompt_ids=sample.prompt_ids,
+        response_ids=sample.response_ids,
+        response_mask=sample.response_mask,
+        response_logprobs=sample.response_logprobs,
+        reward_score=sample.reward,
+        num_turns=sample.num_turns,
+        metrics=AgentLoopMetrics(generate_sequences=result.timings.get("agent_run", 0.0)),
+        extra_fields=extra,
+    )
+
+
+class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
+    """verl agent loop ``remote_agent`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        trainer_config: Any,
+        server_manager: Any,
+        tokenizer: Any,
+        processor: Any,
+        dataset_cls: Any,
+        data_config: Any,
+        hf_model_type: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # verl passes ``tools``; the YAML entry's ``name`` arrives as a keyword too.
+        self._tokenizer: Any = tokenizer
+        settings_kwargs = {
+            k: v for k, v in kwargs.items() if k not in {"tools", "name"} and not k.startswith("_")
+        }
+        super().__init__(
+            trainer_config,
+            server_manager,
+            tokenizer,
+            processor,
+            dataset_cls,
+            data_config,
+            hf_model_type=hf_model_type,
+        )
+        self.settings = RemoteAgentSettings.from_sources(
+            settings_kwargs, self.config.get(CONFIG_SECTION)
+        )
+
+    async def _serve_rollout(self, shared: _Shared) -> None:
+        """Start (once per process) a worker that serves the proxy with verl's replicas."""
+        if shared.worker is not None:
+            if shared.worker.done():
+                shared.worker.result()  # surface why it stopped
+            return
+        from worker_client.backends.verl import VerlEngine
+        from worker_client.client import ServedModel, WorkerClient
+
+        model_path = str(self.config.actor_rollout_ref.model.path)
+        window = int(self.rollout_config.get("max_model_len") or 0) or int(
+            self.rollout_config.prompt_length + self.rollout_config.response_length
+        )
+        eos = self._tokenizer.eos_token_id
+        engine = VerlEngine(
+            self.server_manager,
+            name=self.settings.served_model or self.settings.model,
+            max_model_len=window,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+        client = WorkerClient(
+            str(self.settings.worker_url),
+            {engine.card.name: ServedModel(engine, Path(model_path))},
+            token=self.settings.worker_token,
+        )
+        shared.worker = asyncio.get_running_loop().create_task(client.run())
+        waiter = asyncio.ensure_future(client.connected.wait())
+        await asyncio.wait(
+            {waiter, shared.worker}, timeout=120.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not waiter.done():
+            waiter.cancel()
+            if shared.worker.done():
+                shared.worker.result()
+            raise RuntimeError(f"{AGENT_NAME}: the rollout worker did not reach the proxy")
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        settings = self.settings
+        shared = _shared(settings)
+        if settings.serve_rollout:
+            await self._serve_rollout(shared)
+        extra_info = _plain(kwargs.get("extra_info")) or {}
+        task = extra_info.get(settings.task_field) or kwargs.get(settings.task_field)
+        if not task:
+            raise ValueError(f"{AGENT_NAME}: the row has no extra_info.{settings.task_field}")
+        prompt_length = int(self.rollout_config.prompt_length)
+        response_length = int(self.rollout_config.response_length)
+        core = AgentLoopCore(
+            shared.proxy,
+            shared.task_server,
+            AgentLoopConfig(
+                agent=settings.agent,
+                model=settings.model,
+                timeout_seconds=settings.timeout_seconds,
+                max_attempts=settings.max_attempts,
+                branch_policy=BranchPolicy(settings.branch_policy),
+                reward_key=settings.reward_key,
+                max_prompt_tokens=prompt_length,
+                max_response_tokens=response_length,
+                sampling=trial_sampling(
+                    sampling_params, response_length, settings.max_tokens_per_call
+                ),
+                agent_settings=dict(settings.agent_settings),
+            ),
+        )
+        metadata = {"index": _plain(kwargs.get("index")), "data_source": kwargs.get("data_source")}
+        try:
+            result = await core.run(task, metadata={k: v for k, v in metadata.items() if v})
+        except RemoteAgentLoopError as exc:
+            if settings.on_failure == "raise":
+                raise
+            return self._failed_output(kwargs, exc)
+        return to_output(result.samples[0], result)
+
+    def _failed_output(
+        self, row: Mapping[str, Any], error: RemoteAgentLoopError
+    ) -> AgentLoopOutput:
+        """A sample that trains nothing: the dataset prompt, one masked pad token."""
+        raw_prompt = _plain(row.get("raw_prompt")) or []
+        text = (
+            self._tokenizer.apply_chat_template(
+                raw_prompt, tokenize=False, add_generation_prompt=True
+            )
+            if raw_prompt
+            else ""
+        )
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False)) if text else []
+        prompt_ids = ids[-int(self.rollout_config.prompt_length) :]
+        pad = self._tokenizer.pad_token_id or self._tokenizer.eos_token_id or 0
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=[int(pad)],
+            response_mask=[0],
+            response_logprobs=[0.0],
+            reward_score=0.0,
+            num_turns=0,
+            metrics=AgentLoopMetrics(),
+            extra_fields={"remote_agent_failed": True, "error": str(error)[:500]},
+        )
+
+
+# Registered only when absent: an entry from the agent-loop YAML (with its settings) must
+# survive this import, which happens when verl instantiates the loop for the first time.
+if AGENT_NAME not in _agent_loop_registry:
+    register(AGENT_NAME)(RemoteAgentLoop)

@@ -1,0 +1,186 @@
+"""The verl adapter against the real ``verl`` package: verl's own registry, hydra
+instantiation and dataset, an hf worker on the tiny model behind a real proxy, an agent run
+through a task server, verl ``AgentLoopOutput``s that pass the fidelity check and carry the
+policy version set by a pause/resume (Ray worker actors: tests/worker_client)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("verl.experimental.agent_loop.agent_loop")
+
+import hydra
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+from verl.experimental.agent_loop import agent_loop as verl_agent_loop
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+import sdk.verl
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_proxy
+from sdk.fidelity import check_fidelity
+from sdk.harbor_dataset import write_verl_dataset
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.sdk.conftest import AGENTS
+from worker_client.backends.hf import HFEngine
+from worker_client.client import ServedModel, WorkerClient
+from worker_client.policy import VersionedEngine
+
+PROMPT_LENGTH = 512
+RESPONSE_LENGTH = 256
+
+
+def _trainer_config(tmp_path: Path) -> Any:
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "prompt_length": PROMPT_LENGTH,
+                    "response_length": RESPONSE_LENGTH,
+                    "agent": {"default_agent_loop": "remote_agent"},
+                }
+            },
+            "data": {"max_prompt_length": PROMPT_LENGTH, "cache_dir": str(tmp_path / "cache")},
+            # settings verl's YAML entry does not give are read from this section
+            "remote_agent": {"timeout_seconds": 180 * TIMEOUT_FACTOR, "max_attempts": 1},
+        }
+    )
+
+
+def _instantiate(entry: Any, config: Any, tokenizer: Any) -> Any:
+    """Exactly the call verl's AgentLoopWorker._run_agent_loop makes."""
+    return hydra.utils.instantiate(
+        config=entry,
+        trainer_config=verl_agent_loop.DictConfigWrap(config=config),
+        server_manager=None,
+        tokenizer=tokenizer,
+        processor=None,
+        hf_model_type=None,
+        dataset_cls=RLHFDataset,
+        data_config=verl_agent_loop.DictConfigWrap(config.data),
+        tools=verl_agent_loop.ToolListWrap([]),
+    )
+
+
+@pytest.fixture
+async def policy_stack(
+    tiny_model_dir: Path, tmp_path: Path
+) -> AsyncIterator[tuple[RunningProxy, VersionedEngine]]:
+    """The proxy and an hf worker on the tiny model whose weights version can be bumped."""
+    proxy = await start_proxy(
+        ProxyConfig(
+            port=0, worker_wait_seconds=120 * TIMEOUT_FACTOR, max_tokens=32, cache_dir=tmp_path
+        )
+    )
+    engine = VersionedEngine(HFEngine.load(tiny_model_dir))
+    client = WorkerClient(proxy.worker_url, {"tiny": ServedModel(engine, tiny_model_dir)})
+    proxy.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    await proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+    yield proxy, engine
+    await proxy.stop()
+
+
+async def test_remote_agent_returns_faithful_verl_outputs(
+    policy_stack: tuple[RunningProxy, VersionedEngine],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """verl's registry, hydra and dataset drive RemoteAgentLoop to real AgentLoopOutputs."""
+    proxy, engine = policy_stack
+    tasks = tmp_path / "tasks" / "hello"
+    (tasks / "tests").mkdir(parents=True)
+    (tasks / "task.toml").write_text('version = "1.0"\n')
+    (tasks / "instruction.md").write_text("Say hello.")
+    (tasks / "tests" / "test.sh").write_text(
+        'if [ -f "$RUN_DIR/answer.txt" ]; then echo 1.0; else echo 0.0; fi'
+        ' > "$RUN_DIR/logs/verifier/reward.txt"\n'
+    )
+    dataset_file = tmp_path / "train.parquet"
+    write_verl_dataset(tmp_path / "tasks", dataset_file)
+
+    # The agent-loop YAML, loaded the way verl's AgentLoopWorker loads it.
+    yaml = tmp_path / "agent_loops.yaml"
+    yaml.write_text(
+        OmegaConf.to_yaml(
+            [
+                {
+                    "name": "remote_agent",
+                    "_target_": "sdk.verl.RemoteAgentLoop",
+                    "proxy_url": proxy.url,
+                    "agent": str(AGENTS / "chat_agent.py"),
+                    "task_server": {
+                        "factory": "tests.sdk.conftest:LocalTaskServer",
+                        "root": str(tmp_path / "runs"),
+                    },
+                }
+            ]
+        )
+    )
+    for entry in OmegaConf.load(yaml):
+        verl_agent_loop._agent_loop_registry[entry.name] = entry
+    importlib.reload(sdk.verl)  # importing the module must not drop the YAML's settings
+    entry = verl_agent_loop._agent_loop_registry["remote_agent"]
+    assert entry.proxy_url == proxy.url
+
+    config = _trainer_config(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    dataset = RLHFDataset(str(dataset_file), tokenizer, config.data)
+    row = dataset[0]
+    assert row["agent_name"] == "remote_agent"
+    row.pop("agent_name")
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0}
+    scorer = HFEngine.load(tiny_model_dir)
+    try:
+        outputs = []
+        for version in (None, 3):
+            if version is not None:  # a weight update between two steps
+                await engine.pause()
+                await engine.resume(version)
+            loop = _instantiate(entry, config, tokenizer)
+            assert isinstance(loop, sdk.verl.RemoteAgentLoop)
+            outputs.append(await loop.run(dict(sampling), **row))
+        for output, version in zip(outputs, (0, 3), strict=True):
+            assert isinstance(output, verl_agent_loop.AgentLoopOutput)
+            assert output.reward_score == 1.0
+            assert output.num_turns == 2
+            assert len(output.response_ids) == len(output.response_mask)
+            assert output.response_logprobs is not None
+            assert len(output.response_logprobs) == len(output.response_ids)
+            assert len(output.prompt_ids) <= PROMPT_LENGTH
+            assert len(output.response_ids) <= RESPONSE_LENGTH
+            assert output.extra_fields["min_global_steps"] == version
+            assert output.extra_fields["max_global_steps"] == version
+            assert output.extra_fields["policy_versions"] == [version, version]
+            assert output.extra_fields["response_truncated"] is False
+            assert output.metrics.generate_sequences > 0
+            export = {"trajectories": [output.model_dump()]}
+            assert check_fidelity(export, scorer.score).ok()
+            tensors = output.as_dict()  # verl's own conversion to training tensors
+            assert float(tensors["rm_scores"][-1]) == 1.0
+            assert tensors["rollout_log_probs"].shape == tensors["responses"].shape
+        assert outputs[0].extra_fields["trial_id"] != outputs[1].extra_fields["trial_id"]
+    finally:
+        await scorer.close()
+        await sdk.verl.close_shared()
+
+
+def test_settings_are_checked(tmp_path: Path) -> None:
+    """Missing or contradictory settings fail with a message naming the setting."""
+    with pytest.raises(ValueError, match="proxy_url"):
+        sdk.verl.RemoteAgentSettings.from_sources({"agent": "a"}, None)
+    base = {"proxy_url": "http://p", "agent": "a", "task_server": {"factory": "m:f"}}
+    with pytest.raises(ValueError, match="one trajectory per sample"):
+        sdk.verl.RemoteAgentSettings.from_sources({**base, "branch_policy": "all"}, None)
+    with pytest.raises(ValueError, match="unknown settings"):
+        sdk.verl.RemoteAgentSettings.from_sources({**base, "proxy": "x"}, None)
+    section = OmegaConf.create({"agent": "from-section", "max_attempts": 5})
+    settings = sdk.verl.RemoteAgentSettings.from_sources(
+        {"proxy_url": "http://p", "task_server": {"factory": "m:f"}}, section
+    )
+    assert (settings.agent, settings.max_attempts) == ("from-section", 5)
