@@ -101,13 +101,13 @@ class ConfigurationError(ProxyError):
     """Settings the proxy cannot start with (raised at startup, before serving)."""
 
 
-class DeployError(ProxyError):
-    """``rollout-relay deploy`` cannot go on: manifests or options it cannot render, no
-    reachable cluster, or the cluster refused a change. The message says which."""
-
-
 class StorageError(ServiceUnavailableError):
     """The session store could not commit a write (nothing is acknowledged without it), or
     could not be opened at startup."""
 
     code = "storage_unavailable"
+
+
+class DeployError(ProxyError):
+    """``rollout-relay deploy`` cannot go on: manifests or options it cannot render, no
+    reachable cluster, or the cluster refused a change. The message says which."""
