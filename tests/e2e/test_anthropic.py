@@ -292,47 +292,53 @@ async def test_claude_code_shaped_stream_has_event_lines(
     assert turn["sampling"]["max_tokens"] == 64  # the stack's cap wins over 32000
 
 
+@pytest.mark.parametrize("first_streamed", [False, True], ids=["plain-first", "streamed-first"])
 async def test_tool_loop_continues_one_trajectory(
-    proxy_client: ProxyClient, tiny_model_dir: Path
+    proxy_client: ProxyClient, tiny_model_dir: Path, first_streamed: bool
 ) -> None:
     """An agent loop that echoes the assistant blocks and answers tool_use with tool_result
     blocks (alternating streamed and plain calls) extends one trajectory without branching,
-    and the export is token-exact under teacher forcing."""
-    # Seed 6 makes the tiny model call tools on plain and streamed turns alike.
-    trial = await proxy_client.create_session(sampling={"seed": 6, "temperature": 1.0})
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Look at the workspace."}]
-    tool_uses = {False: 0, True: 0}  # by streamed
-    async with _client(trial) as client:
-        for turn in range(5):
-            kwargs: dict[str, Any] = {
-                "model": "m",
-                "max_tokens": 48,
-                "system": "You are a careful assistant with tools.",
-                "messages": messages,
-                "tools": ANTHROPIC_TOOLS,
-            }
-            streamed = turn % 2 == 1
-            if streamed:
-                async with client.messages.stream(**kwargs) as stream:
-                    reply = await stream.get_final_message()
-            else:
-                reply = await client.messages.create(**kwargs)
-            messages.append(_echo(reply))
-            calls = [b for b in reply.content if b.type == "tool_use"]
-            if reply.stop_reason != "max_tokens":
-                assert (reply.stop_reason == "tool_use") == bool(calls)
-            if calls:
-                tool_uses[streamed] += len(calls)
-                # A result's content as text blocks reads the same as the plain string.
-                results: list[dict[str, Any]] = [
-                    {"type": "tool_result", "tool_use_id": c.id, "content": "ok"} for c in calls
-                ]
-                results[0]["content"] = [{"type": "text", "text": "ok"}]
-                messages.append({"role": "user", "content": results})
-            else:
-                messages.append({"role": "user", "content": f"Keep going ({turn})."})
-    assert tool_uses[False] >= 1  # plain and streamed tool_use blocks were sent back
-    assert tool_uses[True] >= 1
+    and the export is token-exact under teacher forcing. The tiny model calls tools mostly on
+    an episode's first turn, so each mode gets an episode that starts with it."""
+
+    async def episode(seed: int) -> tuple[TrialSession, dict[bool, int]] | None:
+        """Five turns on a fresh trial; kept when plain and streamed turns both called tools."""
+        trial = await proxy_client.create_session(sampling={"seed": seed, "temperature": 0.7})
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Look at the workspace."}]
+        tool_uses = {False: 0, True: 0}  # by streamed
+        async with _client(trial) as client:
+            for turn in range(5):
+                kwargs: dict[str, Any] = {
+                    "model": "m",
+                    "max_tokens": 48,
+                    "system": "You are a careful assistant with tools.",
+                    "messages": messages,
+                    "tools": ANTHROPIC_TOOLS,
+                }
+                streamed = (turn % 2 == 1) != first_streamed
+                if streamed:
+                    async with client.messages.stream(**kwargs) as stream:
+                        reply = await stream.get_final_message()
+                else:
+                    reply = await client.messages.create(**kwargs)
+                messages.append(_echo(reply))
+                calls = [b for b in reply.content if b.type == "tool_use"]
+                if reply.stop_reason != "max_tokens":
+                    assert (reply.stop_reason == "tool_use") == bool(calls)
+                if calls:
+                    tool_uses[streamed] += len(calls)
+                    # A result's content as text blocks reads the same as the plain string.
+                    results: list[dict[str, Any]] = [
+                        {"type": "tool_result", "tool_use_id": c.id, "content": "ok"} for c in calls
+                    ]
+                    results[0]["content"] = [{"type": "text", "text": "ok"}]
+                    messages.append({"role": "user", "content": results})
+                else:
+                    messages.append({"role": "user", "content": f"Keep going ({turn})."})
+        # Tool_use blocks of the first turn's kind were sent back.
+        return (trial, tool_uses) if tool_uses[first_streamed] else None
+
+    trial, tool_uses = await first_seed(episode)
     export = await proxy_client.trajectories(trial.trial_id)
     (traj,) = export["trajectories"]
     assert [t["branch_reason"] for t in traj["turns"]] == ["new_session"] + ["continued"] * 4

@@ -28,6 +28,11 @@ from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
 
+# A request and sampling under which the tiny model often calls a tool, sometimes after a
+# line of text (tests that need either search seeds for it).
+TOOL_ASK = "please read the file README.md then run ls"
+_TOOL_SAMPLING: dict[str, Any] = {"temperature": 0.7}
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
@@ -129,16 +134,25 @@ async def test_sync_create_reports_exact_usage(proxy_client: ProxyClient) -> Non
 async def test_response_object_validates_with_the_sdk(proxy_client: ProxyClient) -> None:
     """The raw JSON validates strictly as the SDK's Response, with and without tool calls."""
     trial = await proxy_client.create_session(sampling={"seed": 1})
-    for tools in ([], TOOLS):
+    status, body = await _post(
+        trial, {"model": "m", "input": "list the files", "max_output_tokens": 40}
+    )
+    assert status == 200, body
+    reply = Response.model_validate(body)
+    assert reply.output, body
+    assert reply.tools == []
+
+    async def attempt(seed: int) -> Response | None:
+        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
         status, body = await _post(
-            trial,
-            {"model": "m", "input": "list the files", "tools": tools, "max_output_tokens": 40},
+            trial, {"model": "m", "input": TOOL_ASK, "tools": TOOLS, "max_output_tokens": 40}
         )
         assert status == 200, body
         reply = Response.model_validate(body)
-        assert reply.output, body
-        assert [t.type for t in reply.tools] == ["function"] * len(tools)
-    assert any(o.type == "function_call" for o in reply.output)  # seed 1 calls a tool
+        assert [t.type for t in reply.tools] == ["function"] * len(TOOLS)
+        return reply if any(o.type == "function_call" for o in reply.output) else None
+
+    reply = await first_seed(attempt)
     call = next(o for o in reply.output if o.type == "function_call")
     assert call.call_id.startswith("call_")
     assert call.id is not None
@@ -148,16 +162,20 @@ async def test_response_object_validates_with_the_sdk(proxy_client: ProxyClient)
 
 async def test_async_create_with_tools_returns_function_calls(proxy_client: ProxyClient) -> None:
     """Parsed tool calls come back as function_call items matching the recorded turn."""
-    trial = await proxy_client.create_session(sampling={"seed": 1})
-    async with _async(trial) as client:
-        reply = await client.responses.create(
-            model="m",
-            input=[{"role": "user", "content": "list the files"}],
-            tools=TOOLS,  # type: ignore[arg-type]
-            max_output_tokens=40,
-        )
+
+    async def attempt(seed: int) -> tuple[TrialSession, Response] | None:
+        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
+        async with _async(trial) as client:
+            reply = await client.responses.create(
+                model="m",
+                input=[{"role": "user", "content": TOOL_ASK}],
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_output_tokens=40,
+            )
+        return (trial, reply) if any(o.type == "function_call" for o in reply.output) else None
+
+    trial, reply = await first_seed(attempt)
     calls = [o for o in reply.output if o.type == "function_call"]
-    assert calls
     assert all(o.status == "completed" for o in calls)
     turn = (await _only_trajectory(proxy_client, trial))["turns"][0]
     assert turn["tool_calls"] == len(calls)
@@ -204,26 +222,31 @@ async def test_stream_equals_non_stream_for_the_session_seed(proxy_client: Proxy
 async def test_stream_helper_sync_with_tools(proxy_client: ProxyClient) -> None:
     """The sync ``responses.stream`` helper accumulates text and function calls."""
 
-    def call(trial: TrialSession) -> tuple[list[str], Response]:
+    def call(trial: TrialSession) -> tuple[list[str], Response] | None:
         with (
             _sync(trial) as client,
             client.responses.stream(
                 model="m",
-                input="list the files",
+                input=TOOL_ASK,
                 tools=TOOLS,  # type: ignore[arg-type]
                 max_output_tokens=40,
             ) as stream,
         ):
             kinds: list[str] = [event.type for event in stream]
+            if kinds[-1] != "response.completed":
+                return None  # cut at max_output_tokens: the helper has no final response
             return kinds, stream.get_final_response()
 
     async def attempt(seed: int) -> tuple[list[str], Response] | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed})
-        kinds, final = await asyncio.to_thread(call, trial)
+        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
+        streamed = await asyncio.to_thread(call, trial)
+        if streamed is None:
+            return None
+        kinds, final = streamed
         shape = [o.type for o in final.output]
         return (kinds, final) if shape[:1] == ["message"] and "function_call" in shape else None
 
-    kinds, final = await first_seed(attempt)  # a seed that writes text, then calls a tool
+    kinds, final = await first_seed(attempt, seeds=range(48))  # text, then a tool call
     assert kinds[-1] == "response.completed"
     calls = [o for o in final.output if o.type == "function_call"]
     assert kinds.count("response.output_item.done") == len(final.output)
@@ -234,10 +257,10 @@ async def test_stream_events_validate_and_keep_order(proxy_client: ProxyClient) 
     """Streamed events validate as the SDK's, in order: the message item, then calls."""
 
     async def attempt(seed: int) -> list[tuple[str, dict[str, Any]]] | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed})
+        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
         body = {
             "model": "m",
-            "input": "list the files",
+            "input": TOOL_ASK,
             "tools": TOOLS,
             "max_output_tokens": 40,
             "stream": True,
@@ -249,7 +272,7 @@ async def test_stream_events_validate_and_keep_order(proxy_client: ProxyClient) 
         ]
         return events if done[:1] == ["message"] and len(done) >= 2 else None
 
-    events = await first_seed(attempt)  # text, then at least one call
+    events = await first_seed(attempt, seeds=range(48))  # text, then at least one call
     names = [name for name, _ in events]
     assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
     done = [data["item"] for name, data in events if name == "response.output_item.done"]
