@@ -108,7 +108,8 @@ async def test_overload_refuses_with_retry_after_and_stays_fair(
         await _until(lambda: pool.queued >= tight_limits.max_queued_per_trial)
         # The flooding trial has its full share waiting; a quiet trial still gets in line.
         quiet_task = asyncio.ensure_future(_chat(http, quiet["base_url"], messages))
-        await _until(lambda: pool.queued > tight_limits.max_queued_per_trial)
+        # It waits beside the flood, unless the flood's one-token turns already drained.
+        await _until(lambda: pool.queued > tight_limits.max_queued_per_trial or quiet_task.done())
         crowd_task = asyncio.gather(*(_chat(http, c["base_url"], messages) for c in crowd))
         quiet_status, quiet_body, _ = await quiet_task
         results = await flood_task + await crowd_task

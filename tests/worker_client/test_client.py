@@ -20,7 +20,14 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from relay import protocol
 from relay.exceptions import RelayError, WorkerFailedError
-from relay.pool import FinishedEvent, RelayCall, RestartedEvent, TokensEvent, WorkerPool
+from relay.pool import (
+    FinishedEvent,
+    RelayCall,
+    RestartedEvent,
+    ResumedEvent,
+    TokensEvent,
+    WorkerPool,
+)
 from worker_client.backends.hf import HFEngine
 from worker_client.client import (
     TOKENIZER_FILES,
@@ -180,6 +187,8 @@ async def _collect(call: RelayCall) -> tuple[list[int], list[float], FinishedEve
             logprobs += event.logprobs
         elif isinstance(event, RestartedEvent):
             tokens, logprobs = [], []
+        elif isinstance(event, ResumedEvent):
+            continue  # another worker goes on from the tokens already received
         else:
             return tokens, logprobs, event
     raise AssertionError("events ended without FinishedEvent")
