@@ -304,8 +304,9 @@ class TurnService:
             raise UpstreamError("the worker stream ended without finishing")
         tail = "" if stopper.hit is not None else stopper.feed(detok.flush()) + stopper.flush()
         events, parsed = _finish_with(parser, tail)
-        for out in self._parsed(events, calls):
-            yield out
+        # The generation is over: record it whole before the last events go out, so an
+        # agent that leaves while they are written loses nothing that was sampled.
+        last = list(self._parsed(events, calls))
         result = self._record(
             prepared,
             detok.ids,
@@ -319,6 +320,8 @@ class TurnService:
         # Durable before the agent is answered: TurnDone is what writes the reply's end
         # (the whole body, or the stream's final events).
         await self._commit(prepared.session, result.node)
+        for out in last:
+            yield out
         yield TurnDone(result)
 
     async def _commit(self, session: Session, node: TurnNode) -> None:
