@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,13 @@ class WorkerActor:
         await self.engine.close()
 
 
+async def _get(ray: Any, refs: Any, within_seconds: float | None = None) -> Any:
+    """Wait for Ray object refs without blocking the event loop (``ray.get`` in a thread:
+    awaiting refs directly depends on which loop Ray's callbacks find)."""
+    get = functools.partial(ray.get, refs, timeout=within_seconds)
+    return await asyncio.get_running_loop().run_in_executor(None, get)
+
+
 def _import_ray() -> Any:
     try:
         import ray
@@ -161,8 +169,8 @@ class WorkerActorGroup:
         bundle = {k: v for k, v in bundle.items() if v > 0}
         group = ray.util.placement_group([dict(bundle) for _ in range(num_workers)], strategy)
         try:
-            await asyncio.wait_for(group.ready(), within_seconds)
-        except TimeoutError:
+            await _get(ray, group.ready(), within_seconds)
+        except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(group)
             raise EngineUnavailableError(
                 f"Ray could not place {num_workers} x {bundle} ({strategy}) in {within_seconds}s"
@@ -192,7 +200,7 @@ class WorkerActorGroup:
             for i in range(num_workers)
         ]
         try:
-            ids = await asyncio.gather(*(a.start.remote(within_seconds) for a in actors))
+            ids = await _get(ray, [a.start.remote(within_seconds) for a in actors])
         except Exception as exc:
             for actor in actors:
                 ray.kill(actor)
@@ -202,18 +210,18 @@ class WorkerActorGroup:
 
     async def pause(self, *, abort_in_flight: bool = False) -> None:
         """Pause every worker; returns once none of them runs a request."""
-        await asyncio.gather(*(a.pause.remote(abort_in_flight) for a in self.actors))
+        await _get(_import_ray(), [a.pause.remote(abort_in_flight) for a in self.actors])
 
     async def resume(self, version: int) -> None:
-        await asyncio.gather(*(a.resume.remote(version) for a in self.actors))
+        await _get(_import_ray(), [a.resume.remote(version) for a in self.actors])
 
     async def status(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(a.status.remote() for a in self.actors)))
+        return list(await _get(_import_ray(), [a.status.remote() for a in self.actors]))
 
     async def stop(self) -> None:
         ray = _import_ray()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*(a.stop.remote() for a in self.actors))
+            await _get(ray, [a.stop.remote() for a in self.actors])
         for actor in self.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement_group)

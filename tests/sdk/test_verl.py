@@ -1,12 +1,13 @@
 """The verl adapter against the real ``verl`` package: verl's own registry, hydra
 instantiation and dataset, an hf worker on the tiny model behind a real proxy, an agent run
-through a task server, verl ``AgentLoopOutput``s that pass the fidelity check and carry the
+through the embedded task server (run-submission API), verl ``AgentLoopOutput``s that pass the fidelity check and carry the
 policy version set by a pause/resume (Ray worker actors: tests/worker_client)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from sdk.fidelity import check_fidelity
 from sdk.harbor_dataset import write_verl_dataset
+from sdk.taskserver.server import TaskServerConfig, start_task_server
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.sdk.conftest import AGENTS
+from tests.sdk.taskserver.conftest import write_task
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
 from worker_client.policy import VersionedEngine
@@ -93,13 +96,23 @@ async def test_remote_agent_returns_faithful_verl_outputs(
 ) -> None:
     """verl's registry, hydra and dataset drive RemoteAgentLoop to real AgentLoopOutputs."""
     proxy, engine = policy_stack
-    tasks = tmp_path / "tasks" / "hello"
-    (tasks / "tests").mkdir(parents=True)
-    (tasks / "task.toml").write_text('version = "1.0"\n')
-    (tasks / "instruction.md").write_text("Say hello.")
-    (tasks / "tests" / "test.sh").write_text(
-        'if [ -f "$RUN_DIR/answer.txt" ]; then echo 1.0; else echo 0.0; fi'
-        ' > "$RUN_DIR/logs/verifier/reward.txt"\n'
+    # A Harbor task in the container layout; the embedded task server maps /app and /logs.
+    write_task(
+        tmp_path / "tasks",
+        "hello",
+        instruction="Say hello.",
+        test_sh=(
+            "if [ -s /app/answer.txt ]; then echo 1 > /logs/verifier/reward.txt;"
+            " else echo 0 > /logs/verifier/reward.txt; fi\n"
+        ),
+    )
+    task_server = await start_task_server(
+        TaskServerConfig(
+            port=0,
+            runs_dir=tmp_path / "runs",
+            agents={"chat-agent": f"{sys.executable} {AGENTS / 'chat_agent.py'}"},
+            kill_grace_seconds=1.0,
+        )
     )
     dataset_file = tmp_path / "train.parquet"
     write_verl_dataset(tmp_path / "tasks", dataset_file)
@@ -113,10 +126,10 @@ async def test_remote_agent_returns_faithful_verl_outputs(
                     "name": "remote_agent",
                     "_target_": "sdk.verl.RemoteAgentLoop",
                     "proxy_url": proxy.url,
-                    "agent": str(AGENTS / "chat_agent.py"),
+                    "agent": "chat-agent",
                     "task_server": {
-                        "factory": "tests.sdk.conftest:LocalTaskServer",
-                        "root": str(tmp_path / "runs"),
+                        "factory": "sdk.taskserver.runs_api:RunsApiTaskServer",
+                        "url": task_server.url,
                     },
                 }
             ]
@@ -168,6 +181,7 @@ async def test_remote_agent_returns_faithful_verl_outputs(
     finally:
         await scorer.close()
         await sdk.verl.close_shared()
+        await task_server.stop()
 
 
 def test_settings_are_checked(tmp_path: Path) -> None:
