@@ -34,8 +34,10 @@ class Sizes:
     litellm_max_seconds: float | None = 45.0
     turns_per_session: int = 8
     reply_tokens: int = 16
-    context_tokens: tuple[int, ...] = (1024, 32768, 131072)
-    context_turns: int = 30
+    # The largest starts below 128k so that its measured turns end inside the tiny
+    # model's 131,072-token window.
+    context_tokens: tuple[int, ...] = (1024, 32768, 112000)
+    context_turns: int = 20
     context_add_tokens: int = 300
     memory_sessions: int = 250
     memory_tokens: int = 32768
@@ -236,66 +238,57 @@ async def _session_info(http: aiohttp.ClientSession, url: str, trial_id: str) ->
 
 
 async def section_memory(stack: Stack, sizes: Sizes, tpw: float) -> dict[str, Any]:
-    """Proxy RSS per stored token (sessions of ``memory_tokens``) and per idle session."""
+    """Proxy RSS per idle session (measured first, on a fresh proxy, so that no memory
+    freed by earlier work hides it), then per stored token (sessions of ``memory_tokens``)."""
     proxy = stack.proxy
-    stored = 0
-    system_words = _words_for(sizes.memory_tokens, tpw)
-    rss0 = proxy.rss_bytes()
     sem = asyncio.Semaphore(8)
     async with client_session(8) as http:
 
-        async def one(i: int) -> int:
+        async def one(i: int, system_words: int, add_words: int, max_tokens: int) -> int:
             async with sem:
                 agent = Agent(
                     http,
                     Target("proxy", proxy.url),
                     seed=10_000 + i,
                     system_words=system_words,
-                    add_words=20,
-                    max_tokens=64,
+                    add_words=add_words,
+                    max_tokens=max_tokens,
                     stream=False,
                 )
                 await agent.new_session()
                 call = await agent.turn()
                 return call.prompt_tokens + call.completion_tokens
 
-        stored = sum(await asyncio.gather(*(one(i) for i in range(sizes.memory_sessions))))
+        await asyncio.gather(*(one(-1 - i, 8, 4, 8) for i in range(16)))  # warm up
+        await asyncio.sleep(0.5)
+        rss0 = proxy.rss_bytes()
+        idle_tokens = sum(
+            await asyncio.gather(*(one(20_000 + i, 8, 4, 8) for i in range(sizes.idle_sessions)))
+        )
         await asyncio.sleep(0.5)
         rss1 = proxy.rss_bytes()
-
-        async def idle(i: int) -> int:
-            async with sem:
-                agent = Agent(
-                    http,
-                    Target("proxy", proxy.url),
-                    seed=20_000 + i,
-                    system_words=8,
-                    add_words=4,
-                    max_tokens=8,
-                    stream=False,
-                )
-                await agent.new_session()
-                call = await agent.turn()
-                return call.prompt_tokens + call.completion_tokens
-
-        idle_tokens = sum(await asyncio.gather(*(idle(i) for i in range(sizes.idle_sessions))))
+        words_each = _words_for(sizes.memory_tokens, tpw)
+        stored = sum(
+            await asyncio.gather(
+                *(one(i, words_each, 20, 64) for i in range(sizes.memory_sessions))
+            )
+        )
         await asyncio.sleep(0.5)
         rss2 = proxy.rss_bytes()
-    per_token = (rss1 - rss0) / stored if stored else float("nan")
     out = {
         "sessions": sizes.memory_sessions,
         "tokens_per_session": stored / max(sizes.memory_sessions, 1),
         "stored_tokens": stored,
-        "rss_before_mb": rss0 / 2**20,
-        "rss_after_mb": rss1 / 2**20,
-        "bytes_per_token": per_token,
+        "rss_before_mb": rss1 / 2**20,
+        "rss_after_mb": rss2 / 2**20,
+        "bytes_per_token": (rss2 - rss1) / stored if stored else float("nan"),
         "idle_sessions": sizes.idle_sessions,
         "idle_tokens_each": idle_tokens / max(sizes.idle_sessions, 1),
-        "bytes_per_idle_session": (rss2 - rss1) / max(sizes.idle_sessions, 1),
-        "rss_end_mb": rss2 / 2**20,
+        "bytes_per_idle_session": (rss1 - rss0) / max(sizes.idle_sessions, 1),
+        "rss_idle_before_mb": rss0 / 2**20,
     }
     print(
-        f"  memory: {per_token:.1f} B/token over {stored} tokens; "
+        f"  memory: {out['bytes_per_token']:.1f} B/token over {stored} tokens; "
         f"{out['bytes_per_idle_session'] / 1024:.1f} KiB per idle session",
         flush=True,
     )
