@@ -14,7 +14,7 @@ from proxy.config import ProxyConfig
 from proxy.deploy.command import add_deploy_parser, run_deploy
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
-from worker_client.exceptions import ConnectionRefusedByProxy
+from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
 
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "rollout-relay" / "tiny-model"
 
@@ -188,11 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--proxy", required=True, help="ws://host:port/ws/worker")
     w.add_argument(
         "--backend",
-        choices=["hf", "vllm", "instant"],
+        choices=["hf", "vllm", "openai", "instant"],
         default="hf",
-        help="instant: benchmark-only, no model, replies at once with seeded noise tokens",
+        help="openai: an existing vLLM/SGLang server (--upstream-url); "
+        "instant: benchmark-only, no model, replies at once with seeded noise tokens",
     )
-    w.add_argument("--model", required=True, help="model directory (or name for vllm)")
+    w.add_argument(
+        "--model",
+        required=True,
+        help="model directory (or name for vllm; for openai, the directory with its tokenizer)",
+    )
+    w.add_argument(
+        "--upstream-url",
+        default=None,
+        help="openai backend: the upstream server's /v1 URL, e.g. http://127.0.0.1:8000/v1",
+    )
+    w.add_argument(
+        "--upstream-model",
+        default=None,
+        help="openai backend: the model name the upstream serves (default: --name)",
+    )
+    w.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get("RELAY_UPSTREAM_API_KEY"),
+        help="openai backend: bearer key for the upstream (env RELAY_UPSTREAM_API_KEY)",
+    )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument("--token", default=os.environ.get("RELAY_WORKER_TOKEN", ""))
     w.add_argument("--max-concurrency", type=int, default=8)
@@ -339,6 +359,17 @@ async def _run_worker(args: argparse.Namespace) -> None:
             reply_tokens=args.reply_tokens,
             tokens_per_second=args.tokens_per_second,
         )
+    elif args.backend == "openai":
+        from worker_client.backends.openai import OpenAIEngine
+
+        engine = OpenAIEngine.load(
+            args.model,
+            base_url=args.upstream_url,
+            name=args.name,
+            upstream_model=args.upstream_model,
+            api_key=args.upstream_api_key,
+            logprobs_mode=mode,
+        )
     else:
         from worker_client.backends.vllm import VLLMEngine
 
@@ -420,6 +451,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             asyncio.run(_run_proxy(config))
         elif args.command == "worker":
+            if args.backend == "openai" and not args.upstream_url:
+                print(
+                    "rollout-relay worker: --backend openai needs --upstream-url "
+                    "(the vLLM/SGLang server's /v1 URL)",
+                    file=sys.stderr,
+                )
+                return 2
             asyncio.run(_run_worker(args))
         elif args.command == "tiny-model":
             from worker_client.tiny_model import write_tiny_model
@@ -450,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ConnectionRefusedByProxy as exc:
         print(f"rollout-relay worker: the proxy refused this worker: {exc}", file=sys.stderr)
+        return 2
+    except EngineUnavailableError as exc:
+        print(f"rollout-relay worker: the engine cannot start: {exc}", file=sys.stderr)
         return 2
     return 0
 
