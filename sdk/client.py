@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -20,6 +19,7 @@ from sdk.exceptions import (
     ProxyRequestError,
     SessionNotFoundError,
 )
+from sdk.http import HttpClient
 
 _ERRORS: dict[int, type[ProxyRequestError]] = {
     401: ProxyAuthError,
@@ -42,7 +42,7 @@ class TrialSession:
         return self.base_url.removesuffix("/v1")
 
 
-class ProxyClient:
+class ProxyClient(HttpClient):
     def __init__(
         self,
         proxy_url: str,
@@ -57,35 +57,15 @@ class ProxyClient:
         token = admin_token if admin_token is not None else os.environ.get("RELAY_ADMIN_TOKEN")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
-        self._http = http
-        self._owns_http = http is None
+        super().__init__(http)
         # https only: verify the proxy against this context (e.g. a private CA).
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
 
     def __repr__(self) -> str:
         return f"<ProxyClient {self.proxy_url}>"
 
-    async def __aenter__(self) -> ProxyClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._http is not None and self._owns_http:
-            await self._http.close()
-        self._http = None
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
-            self._owns_http = True
-        return self._http
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
 
     async def _request(self, method: str, path: str, payload: Any = None) -> Any:
         async with self._session().request(

@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 import shortuuid
 
 from sdk.exceptions import TaskServerError, TaskServerTimeoutError
+from sdk.http import HttpClient
 from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
 
 HARBOR_VERSION = "0.24.0"
@@ -100,7 +100,7 @@ def result_from_trial(run_id: RunId, trial: Mapping[str, Any], logs: str | None)
     return RunResult(run_id=run_id, status=status, rewards=rewards, error=error, logs=logs)
 
 
-class HarborLauncherTaskServer:
+class HarborLauncherTaskServer(HttpClient):
     """Client of one ``harbor view`` launcher; share one per process."""
 
     def __init__(
@@ -114,34 +114,14 @@ class HarborLauncherTaskServer:
         self.url = url.rstrip("/")
         self.environment = dict(environment or {"type": "docker"})
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_seconds)
-        self._http = http
-        self._owns_http = http is None
+        super().__init__(http)
         self._cancelled: set[RunId] = set()
 
     def __repr__(self) -> str:
         return f"<HarborLauncherTaskServer {self.url}>"
 
-    async def __aenter__(self) -> HarborLauncherTaskServer:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._http is not None and self._owns_http:
-            await self._http.close()
-        self._http = None
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(timeout=self._timeout)
-            self._owns_http = True
-        return self._http
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=self._timeout)
 
     async def _request(self, method: str, path: str, payload: Any = None) -> tuple[int, Any]:
         try:

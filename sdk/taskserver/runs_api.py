@@ -13,12 +13,12 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 
 from sdk.exceptions import TaskDefinitionError, TaskServerError, TaskServerTimeoutError
+from sdk.http import HttpClient
 from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
 from sdk.taskserver.tasks import pack_task
 
@@ -36,7 +36,7 @@ def _signature(path: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(sorted(entries))
 
 
-class RunsApiTaskServer:
+class RunsApiTaskServer(HttpClient):
     """Client of one run-submission API server; share one per process."""
 
     def __init__(
@@ -50,34 +50,14 @@ class RunsApiTaskServer:
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._request_timeout = request_timeout_seconds
-        self._http = http
-        self._owns_http = http is None
+        super().__init__(http)
         self._archives: OrderedDict[Path, tuple[tuple[Any, ...], bytes]] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<RunsApiTaskServer {self.url}>"
 
-    async def __aenter__(self) -> RunsApiTaskServer:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._http is not None and self._owns_http:
-            await self._http.close()
-        self._http = None
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(headers=self._headers)
-            self._owns_http = True
-        return self._http
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers=self._headers)
 
     async def _request(
         self,
