@@ -92,3 +92,17 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def check_prompt(card: ModelCard, prompt_ids: Sequence[int]) -> int:
+    """Refuse a prompt no backend can serve; return how many tokens fit after it."""
+    from worker_client.exceptions import EngineError, PromptTooLongError
+
+    if not prompt_ids:
+        raise EngineError("the prompt is empty")
+    room = card.max_model_len - len(prompt_ids)
+    if room <= 0:
+        raise PromptTooLongError(
+            f"prompt of {len(prompt_ids)} tokens does not fit the {card.max_model_len}-token window"
+        )
+    return room

@@ -25,8 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
-from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+    check_prompt,
+)
+from worker_client.exceptions import EngineError, EngineUnavailableError
 
 _GREEDY_BELOW = 1e-5
 
@@ -191,14 +198,8 @@ class HFEngine:
     ) -> AsyncIterator[TokenChunk]:
         import torch
 
-        if not prompt_ids:
-            raise EngineError("the prompt is empty")
-        window = self._card.max_model_len
-        if len(prompt_ids) >= window:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the {window}-token window"
-            )
-        limit = min(sampling.max_tokens, window - len(prompt_ids))
+        room = check_prompt(self._card, prompt_ids)
+        limit = min(sampling.max_tokens, room)
         loop = asyncio.get_running_loop()
         self._running.add(request_id)
         try:

@@ -24,8 +24,15 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
-from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+    check_prompt,
+)
+from worker_client.exceptions import EngineUnavailableError
 
 
 class InstantEngine:
@@ -108,14 +115,8 @@ class InstantEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
-        if not prompt_ids:
-            raise EngineError("the prompt is empty")
-        window = self._card.max_model_len
-        if len(prompt_ids) >= window:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the {window}-token window"
-            )
-        limit = min(sampling.max_tokens, window - len(prompt_ids))
+        room = check_prompt(self._card, prompt_ids)
+        limit = min(sampling.max_tokens, room)
         count = min(self.reply_tokens, limit)
         ends_with_stop = count == self.reply_tokens
         rng = self._rng(request_id, len(prompt_ids), sampling.seed)

@@ -22,7 +22,14 @@ from typing import Any
 
 import aiohttp
 
-from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+    check_prompt,
+)
 from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
 
 BACKEND = "openai"
@@ -142,13 +149,7 @@ class OpenAIEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
-        if not prompt_ids:
-            raise EngineError("the prompt is empty")
-        if len(prompt_ids) >= self._card.max_model_len:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the "
-                f"{self._card.max_model_len}-token window"
-            )
+        check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
         aborted = self._running.setdefault(request_id, asyncio.Event())
         try:

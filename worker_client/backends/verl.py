@@ -22,8 +22,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from worker_client.engine import FinishReason, LogprobsMode, ModelCard, SamplingParams, TokenChunk
-from worker_client.exceptions import EngineError, PromptTooLongError
+from worker_client.engine import (
+    FinishReason,
+    LogprobsMode,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+    check_prompt,
+)
+from worker_client.exceptions import EngineError
 from worker_client.policy import POLICY_VERSION
 
 BACKEND = "verl"
@@ -102,13 +109,7 @@ class VerlEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
-        if not prompt_ids:
-            raise EngineError("the prompt is empty")
-        if len(prompt_ids) >= self._card.max_model_len:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the "
-                f"{self._card.max_model_len}-token window"
-            )
+        check_prompt(self._card, prompt_ids)
         try:
             output = await self.client.generate(
                 request_id, prompt_ids=list(prompt_ids), sampling_params=verl_sampling(sampling)

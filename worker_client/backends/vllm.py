@@ -29,8 +29,9 @@ from worker_client.engine import (
     ModelCard,
     SamplingParams,
     TokenChunk,
+    check_prompt,
 )
-from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+from worker_client.exceptions import EngineError, EngineUnavailableError
 
 BACKEND = "vllm"
 
@@ -193,13 +194,7 @@ class VLLMEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
-        if not prompt_ids:
-            raise EngineError("the prompt is empty")
-        if len(prompt_ids) >= self._card.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
-                f"{self._card.max_model_len} and needs room for at least one more"
-            )
+        check_prompt(self._card, prompt_ids)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
