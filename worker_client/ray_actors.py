@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,18 @@ class WorkerActor:
         """Dial the proxy; return this worker's id once connected."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.client.run())
-        waiter = asyncio.ensure_future(self.client.connected.wait())
-        done, _ = await asyncio.wait({waiter, self._task}, timeout=within_seconds)
-        if waiter not in done:
-            waiter.cancel()
+        # Polled: inside a Ray actor, a wait on the client's Event was seen to sleep through
+        # the connection until its timeout.
+        deadline = time.monotonic() + within_seconds
+        while not self.client.connected.is_set():
             if self._task.done():
                 self._task.result()  # the refusal or connection error
-            raise WorkerError(f"not connected to {self.client.proxy_url} in {within_seconds}s")
+                raise WorkerError(
+                    f"the worker stopped before connecting to {self.client.proxy_url}"
+                )
+            if time.monotonic() > deadline:
+                raise WorkerError(f"not connected to {self.client.proxy_url} in {within_seconds}s")
+            await asyncio.sleep(0.05)
         return self.client.worker_id
 
     async def pause(self, abort_in_flight: bool = False) -> None:
