@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := proxy relay worker_client sdk bench
 
-.PHONY: setup check lint typecheck test test-vllm demo up bench clean
+.PHONY: setup check lint typecheck test test-harbor test-vllm demo up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -20,6 +20,12 @@ check: lint typecheck
 
 test: setup check
 	$(BIN)/pytest -q tests
+
+# The Harbor launcher tests against a real `harbor view` (Harbor 0.24.0 on Python >= 3.12 in
+# its own environment; ~9 min and 0.4 GB once). `make test` skips them without it.
+test-harbor: setup
+	./scripts/harbor-env.sh
+	$(BIN)/pytest -q tests/sdk/taskserver/test_harbor.py
 
 # vLLM's request/output translation against vLLM's real types, in a side environment
 # (vLLM pins other transformers versions and cannot share .venv). ~2 min and 1.8 GB once.
