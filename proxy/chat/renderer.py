@@ -52,6 +52,9 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the model's tokenizer has no chat template")
         self.tokenizer = tokenizer
+        # A fast tokenizer's own `tokenizers.Tokenizer`: the same ids as `encode` without
+        # the transformers wrapper's per-call work, which dominates on short texts.
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self.parser: ToolCallParser = get_parser(
             tool_parser or detect_parser(tokenizer.chat_template)
         )
@@ -117,6 +120,9 @@ class ChatRenderer:
         return text
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            fast: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+            return fast
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 

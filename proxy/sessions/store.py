@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import queue
@@ -31,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 from proxy.exceptions import StorageError
 from proxy.sessions.model import (
@@ -119,7 +120,8 @@ def decode_array(typecode: str, data: bytes) -> array[Any]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    """Compact JSON (msgspec: dataclasses such as ``TurnMeta`` directly, no ``asdict``)."""
+    return msgspec.json.encode(value).decode()
 
 
 def _session_row(s: Session) -> tuple[Any, ...]:
@@ -149,7 +151,7 @@ def _turn_row(trial_id: str, n: TurnNode) -> tuple[Any, ...]:
         encode_array(n.logprobs),
         n.prompt_len,
         n.key,
-        _json(dataclasses.asdict(n.meta)),
+        _json(n.meta),
     )
 
 

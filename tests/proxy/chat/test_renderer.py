@@ -115,3 +115,20 @@ def test_non_prefix_stable_template_is_detected(tiny_model_dir: Path) -> None:
     )
     with pytest.raises(NotPrefixStableError):
         renderer.render_continuation([ChatMessage("user", "next")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "plain words and   spaces\n\n",
+        '<|im_start|>user\nhi<|im_end|>\n<tool_call>\n{"a": 1}\n</tool_call>',
+        "ünïcödé ✓ 日本語 🙂",
+        "<|endoftext|><|endoftext|>x",
+    ],
+)
+def test_encode_matches_the_tokenizer(renderer: ChatRenderer, text: str) -> None:
+    """The fast path through the backend tokenizer gives exactly the tokenizer's ids,
+    special and added tokens included."""
+    assert renderer._backend is not None
+    assert renderer.encode(text) == renderer.tokenizer.encode(text, add_special_tokens=False)
