@@ -20,12 +20,20 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
+        # The fast tokenizer's backend decodes the same text when the wrapper has no
+        # clean-up to apply, without the wrapper's per-call cost (once per sampled token).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleans = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend: Any = backend if backend is not None and not cleans else None
         self._stop = frozenset(stop_token_ids)
         self.ids: list[int] = []
         self._prefix = 0  # window start: decoding starts here for context
         self._read = 0  # tokens before this were emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            fast: str = self._backend.decode(list(ids), skip_special_tokens=False)
+            return fast
         text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
         return text
 

@@ -28,6 +28,7 @@ def test_one_token_at_a_time_equals_full_decode(renderer: ChatRenderer, text: st
     """Pushing ids one by one never splits a character and adds up to the full text."""
     ids = [*renderer.encode(text), renderer.stop_token_ids[0]]
     detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+    assert detok._backend is not None  # the fast path, checked against the wrapper's decode
     pieces = [detok.push([i]) for i in ids]
     pieces.append(detok.flush())
     assert "".join(pieces) == renderer.completion_text(ids) == text
