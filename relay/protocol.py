@@ -39,9 +39,10 @@ _LITTLE = sys.byteorder == "little"
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
-    """Pack token ids as little-endian int32."""
-    arr = array("i", ids)
+    """Pack token ids as little-endian int32 (an int32 array is copied as it is)."""
+    arr = ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)
     if not _LITTLE:  # pragma: no cover - no big-endian CI machine
+        arr = array("i", arr)  # never the caller's array
         arr.byteswap()
     return arr.tobytes()
 

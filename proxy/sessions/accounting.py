@@ -32,7 +32,8 @@ def plan_turn(
             reason = "template_not_prefix_stable"
         else:
             context = renderer.bridge(session.nodes[parent].completion_ids) + delta
-            prompt = session.context_ids(parent).tolist() + context
+            prompt = session.context_ids(parent)
+            prompt.extend(context)
             return PromptPlan(parent, context, prompt, keys[-1], "continued")
     ids = renderer.render_conversation(messages, tools)
     return PromptPlan(None, ids, ids, keys[-1], reason)

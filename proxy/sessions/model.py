@@ -110,7 +110,9 @@ class PromptPlan:
 
     parent: int | None
     context_ids: list[int]  # the tokens this turn adds before sampling (mask 0)
-    prompt_ids: list[int]  # the full prompt
+    # The full prompt. Continued turns build it as an int32 array: the context's tokens are
+    # copied, not turned into Python ints, and the relay packs it without a conversion.
+    prompt_ids: Sequence[int]
     request_key: bytes  # key of tools + all request messages
     branch_reason: str
 
