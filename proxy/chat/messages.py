@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -91,13 +93,18 @@ def canonical_arguments(arguments: str) -> str:
         return arguments
 
 
+# Compact UTF-8 JSON with object keys sorted: the bytes a context key hashes. Every
+# message of every request is hashed, so this is msgspec's encoder rather than json.dumps.
+_ENCODE = msgspec.json.Encoder(order="sorted").encode
+
+
 def _canonical(message: ChatMessage) -> bytes:
     parts: list[Any] = [message.role, message.content]
     if message.role == "assistant":
         parts.append([[c.name, canonical_arguments(c.arguments)] for c in message.tool_calls])
     if message.role == "tool":
         parts.append(message.tool_call_id)
-    return json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()
+    return _ENCODE(parts)
 
 
 def _digest(previous: bytes, payload: bytes) -> bytes:
@@ -108,12 +115,7 @@ def _digest(previous: bytes, payload: bytes) -> bytes:
 
 def root_key(tools: Sequence[Tool]) -> bytes:
     """The chain's start: the tool set is part of every context (templates render it)."""
-    payload = json.dumps(
-        [[t.name, t.description, t.parameters] for t in tools],
-        sort_keys=True,
-        ensure_ascii=False,
-        separators=(",", ":"),
-    ).encode()
+    payload = _ENCODE([[t.name, t.description, t.parameters] for t in tools])
     return _digest(b"rollout-relay/1", payload)
 
 
