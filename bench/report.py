@@ -189,10 +189,92 @@ def profile_table(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render(results: dict[str, Any], env: dict[str, str], command: str) -> str:
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "**missed**")
+
+
+def targets_table(results: dict[str, Any]) -> str:
+    """Each target of the performance goals, the figure measured here, met or missed."""
+    rows: list[tuple[str, str, str, bool | None]] = []
+    by = {(r["target"], r["concurrency"], r["stream"]): r for r in results.get("latency", [])}
+
+    def added(target: str, c: int, stream: bool, key: str = "p50_ms") -> float | None:
+        mine, direct = by.get((target, c, stream)), by.get(("direct", c, stream))
+        if mine is None or direct is None or mine[key] is None or direct[key] is None:
+            return None
+        return float(mine[key] - direct[key])
+
+    one = added("proxy", 1, False)
+    if one is not None:
+        rows.append(("p50 added latency, concurrency 1", "≤ 1 ms", f"{one:.2f} ms", one <= 1.0))
+    ratios = []
+    for c, stream in sorted({(k[1], k[2]) for k in by}):
+        ours, theirs = added("proxy", c, stream), added("litellm", c, stream)
+        if ours and theirs:
+            ratios.append((theirs / ours, c, stream))
+    if ratios:
+        worst = min(ratios)
+        rows.append(
+            (
+                "LiteLLM's added p50 ÷ ours, every concurrency",
+                "≥ 10×",
+                f"{worst[0]:.0f}× at worst (c={worst[1]}, {'stream' if worst[2] else 'non-stream'})",
+                worst[0] >= 10,
+            )
+        )
+    c64 = by.get(("proxy", 64, False))
+    if c64 is not None:
+        durable = "durable" if results.get("durable") else "in memory"
+        rows.append(
+            (
+                f"turns/s at 64 sessions ({durable})",
+                "≥ 2,000",
+                f"{c64['turns_per_s']:.0f}",
+                c64["turns_per_s"] >= 2000 and bool(results.get("durable")),
+            )
+        )
+    ctx = results.get("context") or []
+    if len(ctx) >= 2:
+        ratio = ctx[-1]["cpu_ms_per_turn"] / ctx[0]["cpu_ms_per_turn"]
+        rows.append(
+            (
+                f"CPU/turn at {ctx[-1]['context_tokens']} ÷ at {ctx[0]['context_tokens']} tokens",
+                "≤ 1.5×",
+                f"{ratio:.2f}×",
+                ratio <= 1.5,
+            )
+        )
+    mem = results.get("memory")
+    if mem:
+        per_token, per_idle = mem["bytes_per_token"], mem["bytes_per_idle_session"]
+        rows.append(("bytes per stored token", "≤ 16", f"{per_token:.1f}", per_token <= 16))
+        rows.append(
+            (
+                "bytes per idle session",
+                "≤ 50 KB",
+                f"{per_idle / 1000:.1f} KB",
+                per_idle <= 50_000 if per_idle > 0 else None,
+            )
+        )
+    first = added("proxy", 1, True, "ttft_p50_ms")
+    if first is not None:
+        rows.append(
+            ("first token, proxy's added p50 (c=1)", "≤ 2 ms", f"{first:.2f} ms", first <= 2.0)
+        )
+    lines = ["| target | goal | measured | |", "|---|---:|---:|---|"]
+    lines += [f"| {name} | {goal} | {got} | {_verdict(ok)} |" for name, goal, got, ok in rows]
+    return "\n".join(lines)
+
+
+def render(
+    results: dict[str, Any], env: dict[str, str], command: str, analysis: str | None = None
+) -> str:
     parts = ["# Benchmark results", "", f"Command: `{command}`", ""]
     parts += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()]
     parts.append("")
+    parts += ["## Targets", "", targets_table(results), ""]
+    if analysis:
+        parts += [analysis.strip(), ""]
     if results.get("litellm_error"):
         parts += [f"LiteLLM: not measured ({results['litellm_error']}).", ""]
     if "latency" in results:

@@ -1,0 +1,80 @@
+"""The targets table: each goal judged from the measured figures, met or missed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import render, targets_table
+
+
+def _row(target: str, c: int, stream: bool, p50: float, tps: float = 100.0) -> dict[str, Any]:
+    return {
+        "target": target,
+        "concurrency": c,
+        "stream": stream,
+        "p50_ms": p50,
+        "p99_ms": p50 * 2,
+        "ttft_p50_ms": p50 / 2 if stream else None,
+        "ttft_p99_ms": p50 if stream else None,
+        "turns_per_s": tps,
+        "turns": 100,
+        "errors": 0,
+        "server_cpu_ms_per_turn": 1.0,
+        "worker_cpu_ms_per_turn": None if target != "proxy" else 0.5,
+    }
+
+
+RESULTS: dict[str, Any] = {
+    "durable": True,
+    "latency": [
+        _row("direct", 1, False, 0.5),
+        _row("proxy", 1, False, 1.2),  # +0.7 ms: met
+        _row("litellm", 1, False, 12.5),  # +12 ms: 17x ours
+        _row("direct", 1, True, 1.0),
+        _row("proxy", 1, True, 6.0),  # first token +2.5 ms: missed
+        _row("litellm", 1, True, 31.0),  # +30 ms: 6x ours, the worst ratio
+        _row("direct", 64, False, 10.0),
+        _row("proxy", 64, False, 12.0, tps=2500),
+    ],
+    "context": [
+        {"context_tokens": 1000, "cpu_ms_per_turn": 1.0},
+        {"context_tokens": 128000, "cpu_ms_per_turn": 1.4},
+    ],
+    "memory": {"bytes_per_token": 20.0, "bytes_per_idle_session": 0.0},
+}
+# What the latency, context and memory tables read besides the figures judged.
+RESULTS["context"] = [
+    c | {"turns": 3, "request_bytes": 1024, "p50_ms": 2.0, "continued": 3, "first_turn_cpu_ms": 4}
+    for c in RESULTS["context"]
+]
+RESULTS["memory"] |= {
+    "sessions": 2,
+    "tokens_per_session": 10.0,
+    "stored_tokens": 20,
+    "rss_before_mb": 1.0,
+    "rss_after_mb": 1.0,
+    "idle_sessions": 2,
+    "idle_tokens_each": 5.0,
+}
+
+
+def test_targets_are_judged_from_the_figures() -> None:
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in targets_table(RESULTS).split("\n")}
+    assert lines["p50 added latency, concurrency 1"].endswith("| met |")
+    assert "6× at worst (c=1, stream)" in lines["LiteLLM's added p50 ÷ ours, every concurrency"]
+    assert lines["LiteLLM's added p50 ÷ ours, every concurrency"].endswith("**missed** |")
+    assert lines["turns/s at 64 sessions (durable)"].endswith("| 2500 | met |")
+    assert lines["CPU/turn at 128000 ÷ at 1000 tokens"].endswith("| 1.40× | met |")
+    assert lines["bytes per stored token"].endswith("**missed** |")
+    assert lines["bytes per idle session"].endswith("| - |")  # not resolved: no verdict
+    assert lines["first token, proxy's added p50 (c=1)"].endswith("**missed** |")
+
+
+def test_in_memory_runs_do_not_meet_the_durable_throughput_target() -> None:
+    table = targets_table(RESULTS | {"durable": False})
+    assert "| turns/s at 64 sessions (in memory) | ≥ 2,000 | 2500 | **missed** |" in table
+
+
+def test_analysis_goes_into_the_report_after_the_targets() -> None:
+    text = render(RESULTS, {"cpu": "2 cores"}, "python -m bench", "## Why\n\nBecause.")
+    assert text.index("## Targets") < text.index("## Why") < text.index("## Added latency")
