@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
@@ -17,6 +20,24 @@ T = TypeVar("T")
 
 # Scale every wait in the suite on slow machines: RELAY_TEST_TIMEOUT_FACTOR=3 pytest ...
 TIMEOUT_FACTOR = float(os.environ.get("RELAY_TEST_TIMEOUT_FACTOR", "1"))
+
+
+def worker_command(proxy_url: str, model: str | Path, *options: str) -> list[str]:
+    """``rollout-relay worker`` as a separate process (the real CLI)."""
+    cli = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "worker"]
+    return [*cli, "--proxy", proxy_url, "--model", str(model), *options]
+
+
+async def wait_until_joined(
+    running: RunningProxy, process: asyncio.subprocess.Process, worker_id: str | None = None
+) -> None:
+    """Until the worker process has joined the proxy's pool (any worker when no id)."""
+    pool = running.app[POOL]
+    deadline = asyncio.get_running_loop().time() + 120 * TIMEOUT_FACTOR
+    while not (worker_id in pool.workers if worker_id else pool.workers):
+        assert process.returncode is None, "the worker process exited"
+        assert asyncio.get_running_loop().time() < deadline, "the worker did not join"
+        await asyncio.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

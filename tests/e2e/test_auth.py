@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.exceptions import ProxyAuthError
-from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.e2e.conftest import TIMEOUT_FACTOR, wait_until_joined, worker_command
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient, client_ssl_context
 from worker_client.exceptions import ConnectionRefusedByProxy
@@ -416,31 +415,20 @@ async def test_worker_cli_dials_wss_with_a_ca_file(secured: Secured, tiny_model_
     """`rollout-relay worker --proxy wss://... --ca-file CA --token W` joins over TLS."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     worker = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "proxy.cli",
-        "--log-level",
-        "WARNING",
-        "worker",
-        "--proxy",
-        secured.running.worker_url,
-        "--model",
-        str(tiny_model_dir),
-        "--token",
-        WORKER,
-        "--ca-file",
-        str(secured.ca_file),
-        "--worker-id",
-        "cli-wss",
+        *worker_command(
+            secured.running.worker_url,
+            tiny_model_dir,
+            "--token",
+            WORKER,
+            "--ca-file",
+            str(secured.ca_file),
+            "--worker-id",
+            "cli-wss",
+        ),
         env=env,
     )
     try:
-        pool = secured.running.app[POOL]
-        deadline = asyncio.get_running_loop().time() + 120 * TIMEOUT_FACTOR
-        while "cli-wss" not in pool.workers:
-            assert worker.returncode is None, "the worker process exited"
-            assert asyncio.get_running_loop().time() < deadline, "the worker did not join"
-            await asyncio.sleep(0.2)
+        await wait_until_joined(secured.running, worker, "cli-wss")
     finally:
         worker.terminate()
         await worker.wait()

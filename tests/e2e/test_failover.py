@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from relay import protocol
 from sdk.client import ProxyClient
-from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed
+from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed, worker_command
 
 pytestmark = pytest.mark.e2e
 
@@ -56,20 +55,7 @@ def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subproce
     """A worker process that joins the proxy as VICTIM (frozen by the first test and thawed
     again, so that it reconnects; killed by the second)."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "--log-level",
-            "WARNING",
-            "worker",
-            "--proxy",
-            two_workers.worker_url,
-            "--model",
-            str(tiny_model_dir),
-            "--worker-id",
-            VICTIM,
-        ],
+        worker_command(two_workers.worker_url, tiny_model_dir, "--worker-id", VICTIM),
         env=os.environ | {"RELAY_WORKER_TOKEN": ""},
     )
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
-from proxy.appkeys import POOL
 from proxy.cli import main
 from proxy.config import ProxyConfig
 from proxy.embedded import start_proxy
 from sdk.client import ProxyClient
-from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.e2e.conftest import wait_until_joined, worker_command
 from worker_client.backends.hf import HFEngine
 from worker_client.backends.openai import OpenAIEngine, chunk_from_event
 from worker_client.engine import FinishReason, SamplingParams, TokenChunk
@@ -138,32 +136,22 @@ async def test_worker_cli_serves_a_chat_turn_through_the_upstream(
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     worker = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "proxy.cli",
-        "--log-level",
-        "WARNING",
-        "worker",
-        "--proxy",
-        running.worker_url,
-        "--backend",
-        "openai",
-        "--model",
-        str(tiny_model_dir),
-        "--name",
-        "upstream-tiny",
-        "--upstream-url",
-        url,
-        "--token",
-        "w",
+        *worker_command(
+            running.worker_url,
+            tiny_model_dir,
+            "--backend",
+            "openai",
+            "--name",
+            "upstream-tiny",
+            "--upstream-url",
+            url,
+            "--token",
+            "w",
+        ),
         env=env,
     )
     try:
-        deadline = asyncio.get_running_loop().time() + 120 * TIMEOUT_FACTOR
-        while not running.app[POOL].workers:
-            assert worker.returncode is None, "the worker process exited"
-            assert asyncio.get_running_loop().time() < deadline, "the worker did not join"
-            await asyncio.sleep(0.2)
+        await wait_until_joined(running, worker)
         async with ProxyClient(running.url) as proxy:
             trial = await proxy.create_session(sampling={"seed": 3, "max_tokens": 8})
             async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
