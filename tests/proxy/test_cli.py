@@ -78,3 +78,21 @@ def test_limits_and_tls_flags_reach_the_config() -> None:
     assert config is not None
     assert (config.max_messages, config.max_session_tokens, config.max_sessions) == (7, 99, 3)
     assert (str(config.tls_cert), str(config.tls_key)) == ("c.pem", "k.pem")
+
+
+def test_event_loop_defaults_to_uvloop_and_runs_either() -> None:
+    """uvloop by default; both loops run a coroutine to completion through the CLI helper."""
+    from proxy.cli import _run_loop
+
+    assert build_parser().parse_args(["proxy"]).event_loop == "uvloop"
+    assert build_parser().parse_args(["proxy", "--event-loop", "asyncio"]).event_loop == "asyncio"
+    seen: list[str] = []
+
+    async def record() -> None:
+        import asyncio
+
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+
+    _run_loop(record(), "uvloop")
+    _run_loop(record(), "asyncio")
+    assert seen == ["uvloop", "asyncio"]
