@@ -70,6 +70,18 @@ def test_targets_are_judged_from_the_figures() -> None:
     assert lines["first token, proxy's added p50 (c=1)"].endswith("**missed** |")
 
 
+def test_idle_sessions_get_a_verdict_only_when_rss_grew_measurably() -> None:
+    def verdict(per_idle: float) -> str:
+        memory = RESULTS["memory"] | {"bytes_per_idle_session": per_idle, "idle_sessions": 2000}
+        table = targets_table(RESULTS | {"memory": memory})
+        (line,) = [row for row in table.split("\n") if row.startswith("| bytes per idle session")]
+        return line.rsplit("|", 2)[-2].strip()
+
+    assert verdict(6.0) == "-"  # 12 KB over 2,000 sessions: memory the process reused
+    assert verdict(20_000.0) == "met"
+    assert verdict(80_000.0) == "**missed**"
+
+
 def test_in_memory_runs_do_not_meet_the_durable_throughput_target() -> None:
     table = targets_table(RESULTS | {"durable": False})
     assert "| turns/s at 64 sessions (in memory) | ≥ 2,000 | 2500 | **missed** |" in table
