@@ -1,11 +1,11 @@
 """The verl adapter against the real ``verl`` package: verl's own registry, hydra
-instantiation and dataset, an hf worker on the tiny model behind a real proxy, an agent run
-through the embedded task server (run-submission API), verl ``AgentLoopOutput``s that pass the fidelity check and carry the
-policy version set by a pause/resume (Ray worker actors: tests/worker_client)."""
+instantiation and dataset; a Ray worker actor (hf on the tiny model, local CPU cluster)
+behind a real proxy; an agent run submitted through the embedded task server
+(run-submission API); verl ``AgentLoopOutput``s that pass the fidelity check and carry the
+policy version set by a pause/resume of the worker group between two steps."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import sys
 from collections.abc import AsyncIterator
@@ -29,11 +29,13 @@ from sdk.fidelity import check_fidelity
 from sdk.harbor_dataset import write_verl_dataset
 from sdk.taskserver.server import TaskServerConfig, start_task_server
 from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.ray_cluster import ray_cluster
 from tests.sdk.conftest import AGENTS
 from tests.sdk.taskserver.conftest import write_task
 from worker_client.backends.hf import HFEngine
-from worker_client.client import ServedModel, WorkerClient
-from worker_client.policy import VersionedEngine
+from worker_client.ray_actors import WorkerActorGroup
+
+__all__ = ["ray_cluster"]
 
 PROMPT_LENGTH = 512
 RESPONSE_LENGTH = 256
@@ -73,29 +75,40 @@ def _instantiate(entry: Any, config: Any, tokenizer: Any) -> Any:
 
 @pytest.fixture
 async def policy_stack(
-    tiny_model_dir: Path, tmp_path: Path
-) -> AsyncIterator[tuple[RunningProxy, VersionedEngine]]:
-    """The proxy and an hf worker on the tiny model whose weights version can be bumped."""
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path
+) -> AsyncIterator[tuple[RunningProxy, WorkerActorGroup]]:
+    """The proxy and a Ray worker actor (hf on the tiny model) whose weights version the
+    trainer bumps with pause/resume across the group."""
     proxy = await start_proxy(
         ProxyConfig(
             port=0, worker_wait_seconds=120 * TIMEOUT_FACTOR, max_tokens=32, cache_dir=tmp_path
         )
     )
-    engine = VersionedEngine(HFEngine.load(tiny_model_dir))
-    client = WorkerClient(proxy.worker_url, {"tiny": ServedModel(engine, tiny_model_dir)})
-    proxy.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
-    await proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
-    yield proxy, engine
-    await proxy.stop()
+    group = await WorkerActorGroup.start(
+        proxy.worker_url,
+        backend="hf",
+        model=str(tiny_model_dir),
+        num_workers=1,
+        gpus_per_worker=0,
+        cpus_per_worker=1,
+        engine_options={"name": "tiny"},
+        within_seconds=180 * TIMEOUT_FACTOR,
+    )
+    try:
+        await proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+        yield proxy, group
+    finally:
+        await group.stop()
+        await proxy.stop()
 
 
 async def test_remote_agent_returns_faithful_verl_outputs(
-    policy_stack: tuple[RunningProxy, VersionedEngine],
+    policy_stack: tuple[RunningProxy, WorkerActorGroup],
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
     """verl's registry, hydra and dataset drive RemoteAgentLoop to real AgentLoopOutputs."""
-    proxy, engine = policy_stack
+    proxy, workers = policy_stack
     # A Harbor task in the container layout; the embedded task server maps /app and /logs.
     write_task(
         tmp_path / "tasks",
@@ -153,8 +166,8 @@ async def test_remote_agent_returns_faithful_verl_outputs(
         outputs = []
         for version in (None, 3):
             if version is not None:  # a weight update between two steps
-                await engine.pause()
-                await engine.resume(version)
+                await workers.pause()
+                await workers.resume(version)
             loop = _instantiate(entry, config, tokenizer)
             assert isinstance(loop, sdk.verl.RemoteAgentLoop)
             outputs.append(await loop.run(dict(sampling), **row))
