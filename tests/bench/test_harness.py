@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("bench")
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -39,10 +39,12 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             str(out / "results.json"),
         ],
         cwd=REPO,
-        check=True,
+        check=False,
         timeout=300 * TIMEOUT_FACTOR,
         capture_output=True,
+        text=True,
     )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data: dict[str, object] = json.loads((out / "results.json").read_text())
     data["_markdown"] = (out / "RESULTS.md").read_text()
     return data

@@ -6,6 +6,7 @@ was delivered, and the next turn continues on the surviving worker."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -123,8 +124,10 @@ async def _check_failover(
         trial = await proxy.create_session()
         before = (pool.stats.resumed, pool.stats.worker_disconnects)
         async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
-            text, usage, finish, _ = await _stream_and_hit(
-                c, seed, lambda: victim.send_signal(hit_signal)
+            # Bounded: a reply that never comes fails the test instead of hanging the suite.
+            text, usage, finish, _ = await asyncio.wait_for(
+                _stream_and_hit(c, seed, lambda: victim.send_signal(hit_signal)),
+                120 * TIMEOUT_FACTOR,
             )
             # After the hit another worker samples the rest: it may stop before the cap.
             assert finish in {"stop", "length"}
