@@ -82,6 +82,14 @@ def test_idle_sessions_get_a_verdict_only_when_rss_grew_measurably() -> None:
     assert verdict(80_000.0) == "**missed**"
 
 
+def test_context_cpu_below_the_clock_resolution_gets_no_verdict() -> None:
+    context = [c | {"cpu_ms_per_turn": 0.0} for c in RESULTS["context"][:1]] + RESULTS["context"][
+        1:
+    ]
+    table = targets_table(RESULTS | {"context": context})
+    assert "| CPU/turn at 128000 ÷ at 1000 tokens | ≤ 1.5× | not resolved | - |" in table
+
+
 def test_in_memory_runs_do_not_meet_the_durable_throughput_target() -> None:
     table = targets_table(RESULTS | {"durable": False})
     assert "| turns/s at 64 sessions (in memory) | ≥ 2,000 | 2500 | **missed** |" in table
