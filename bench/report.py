@@ -152,7 +152,7 @@ def context_table(rows: list[dict[str, Any]]) -> str:
             f"{r['cpu_ms_per_turn']:.2f} | {r['p50_ms']:.2f} | {r['continued']} | "
             f"{r['first_turn_cpu_ms']:.0f} |"
         )
-    if len(rows) >= 2:
+    if len(rows) >= 2 and rows[0]["cpu_ms_per_turn"] > 0:  # 0: below the clock's resolution
         ratio = rows[-1]["cpu_ms_per_turn"] / rows[0]["cpu_ms_per_turn"]
         lines.append("")
         lines.append(

@@ -88,6 +88,7 @@ def test_context_cpu_below_the_clock_resolution_gets_no_verdict() -> None:
     ]
     table = targets_table(RESULTS | {"context": context})
     assert "| CPU/turn at 128000 ÷ at 1000 tokens | ≤ 1.5× | not resolved | - |" in table
+    assert "## Long contexts" in render(RESULTS | {"context": context}, {}, "python -m bench")
 
 
 def test_in_memory_runs_do_not_meet_the_durable_throughput_target() -> None:
