@@ -29,7 +29,7 @@ from sdk.fidelity import check_fidelity
 from sdk.harbor_dataset import write_verl_dataset
 from sdk.taskserver.server import TaskServerConfig, start_task_server
 from tests.e2e.conftest import TIMEOUT_FACTOR
-from tests.ray_cluster import ray_cluster
+from tests.ray_cluster import ray_cluster, start_tiny_group
 from tests.sdk.conftest import AGENTS
 from tests.sdk.taskserver.conftest import write_task
 from worker_client.backends.hf import HFEngine
@@ -84,16 +84,7 @@ async def policy_stack(
             port=0, worker_wait_seconds=120 * TIMEOUT_FACTOR, max_tokens=32, cache_dir=tmp_path
         )
     )
-    group = await WorkerActorGroup.start(
-        proxy.worker_url,
-        backend="hf",
-        model=str(tiny_model_dir),
-        num_workers=1,
-        gpus_per_worker=0,
-        cpus_per_worker=1,
-        engine_options={"name": "tiny"},
-        within_seconds=180 * TIMEOUT_FACTOR,
-    )
+    group = await start_tiny_group(proxy.worker_url, tiny_model_dir)
     try:
         await proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
         yield proxy, group

@@ -15,8 +15,7 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR
-from tests.ray_cluster import ray_cluster
-from worker_client.ray_actors import WorkerActorGroup
+from tests.ray_cluster import ray_cluster, start_tiny_group
 
 __all__ = ["ray_cluster"]
 
@@ -45,16 +44,7 @@ async def test_worker_actor_serves_and_records_policy_versions(
     ray_cluster: Any, bare_proxy: RunningProxy, tiny_model_dir: Path
 ) -> None:
     """One actor serves turns; a paused group holds new turns until resumed on version 7."""
-    group = await WorkerActorGroup.start(
-        bare_proxy.worker_url,
-        backend="hf",
-        model=str(tiny_model_dir),
-        num_workers=1,
-        gpus_per_worker=0,
-        cpus_per_worker=1,
-        engine_options={"name": "tiny"},
-        within_seconds=180 * TIMEOUT_FACTOR,
-    )
+    group = await start_tiny_group(bare_proxy.worker_url, tiny_model_dir)
     try:
         await bare_proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
         (status,) = await group.status()
