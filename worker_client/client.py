@@ -28,6 +28,7 @@ from relay import protocol
 from relay.exceptions import ProtocolError
 from worker_client.engine import Engine, SamplingParams
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineError, PromptTooLongError
+from worker_client.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,9 @@ class WorkerClient:
         self.connected.set()
         log.info("worker %s connected to %s", self.worker_id, self.proxy_url)
         running: dict[str, asyncio.Task[None]] = {}
+        outbox = Outbox(endpoint)
+        sender = asyncio.create_task(outbox.run(ws.send), name=f"{self.worker_id}-sender")
+        sender.add_done_callback(functools.partial(_close_on_failure, ws))
         try:
             async for data in ws:
                 try:
@@ -181,7 +185,7 @@ class WorkerClient:
                     return
                 if isinstance(message, protocol.Generate):
                     rid = message.request_id
-                    task = asyncio.create_task(self._run_request(ws, endpoint, message))
+                    task = asyncio.create_task(self._run_request(outbox, message))
                     running[rid] = task
                     task.add_done_callback(functools.partial(_forget, running, rid))
                 elif isinstance(message, protocol.Cancel):
@@ -191,7 +195,7 @@ class WorkerClient:
                     if pending is not None:
                         pending.cancel()
                 elif isinstance(message, protocol.Ping):
-                    await ws.send(protocol.encode(protocol.Pong(message.nonce)))
+                    outbox.control(protocol.encode(protocol.Pong(message.nonce)))
                 elif isinstance(message, protocol.Error):
                     log.warning("proxy reported: %s: %s", message.code, message.message)
         finally:
@@ -200,16 +204,15 @@ class WorkerClient:
             for task in list(running.values()):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
 
-    async def _run_request(
-        self, ws: ClientConnection, endpoint: protocol.WorkerEndpoint, message: protocol.Generate
-    ) -> None:
+    async def _run_request(self, outbox: Outbox, message: protocol.Generate) -> None:
         rid = message.request_id
         served = self.models.get(message.model)
         if served is None:
-            await ws.send(
-                endpoint.finish(protocol.Error("unknown_model", f"model {message.model!r}", rid))
-            )
+            outbox.finish(protocol.Error("unknown_model", f"model {message.model!r}", rid))
             return
         s = message.sampling
         sampling = SamplingParams(
@@ -226,36 +229,37 @@ class WorkerClient:
             stream = served.engine.generate(rid, prompt, sampling)
             async for chunk in stream:
                 if chunk.finish_reason is None:
-                    await ws.send(
-                        protocol.encode(
-                            protocol.Delta(
-                                rid,
-                                protocol.pack_ids(chunk.token_ids),
-                                protocol.pack_logprobs(chunk.logprobs),
-                            )
-                        )
-                    )
+                    outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
                     continue
-                done = protocol.Done(
-                    rid,
-                    chunk.finish_reason.value,
-                    protocol.pack_ids(chunk.token_ids),
-                    protocol.pack_logprobs(chunk.logprobs),
-                    dict(chunk.extra),
-                )
                 finished = True
-                await ws.send(endpoint.finish(done))
+                outbox.finish(
+                    protocol.Done(
+                        rid,
+                        chunk.finish_reason.value,
+                        protocol.pack_ids(chunk.token_ids),
+                        protocol.pack_logprobs(chunk.logprobs),
+                        dict(chunk.extra),
+                    )
+                )
                 return
             raise EngineError("engine stream ended without a finish reason")
         except asyncio.CancelledError:
+            outbox.discard(rid)
             if not finished:  # an engine keeps no state for a request it has finished
                 await served.engine.abort(rid)
             raise
         except PromptTooLongError as exc:
-            await ws.send(endpoint.finish(protocol.Error("prompt_too_long", str(exc), rid)))
+            outbox.finish(protocol.Error("prompt_too_long", str(exc), rid))
         except EngineError as exc:
             log.exception("engine failed on %s", rid)
-            await ws.send(endpoint.finish(protocol.Error("engine_error", str(exc), rid)))
+            outbox.finish(protocol.Error("engine_error", str(exc), rid))
+
+
+def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:
+    """A sender that cannot write ends the connection, so the worker reconnects."""
+    if not sender.cancelled() and sender.exception() is not None:
+        log.warning("worker connection could not send: %s", sender.exception())
+        ws.transport.abort()
 
 
 def _forget(running: dict[str, asyncio.Task[None]], rid: str, _task: object) -> None:
