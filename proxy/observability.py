@@ -13,13 +13,13 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
-import shortuuid
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from proxy.api.errors import ERROR_CODE
+from proxy.ids import new_id
 from proxy.logs import request_id_var, trial_id_var
 from relay.pool import WorkerPool
 
@@ -250,7 +250,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 def _request_id(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if _CLIENT_REQUEST_ID.match(given) else f"req_{shortuuid.uuid()[:22]}"
+    return given if _CLIENT_REQUEST_ID.match(given) else new_id("req")
 
 
 @web.middleware

@@ -16,8 +16,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import shortuuid
-
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
 from proxy.chat.stops import StopMatcher
@@ -28,6 +26,7 @@ from proxy.exceptions import (
     TooManyRequestsError,
     UpstreamError,
 )
+from proxy.ids import new_id
 from proxy.limits import Limits, check_message_count, session_token_room, stored_tokens
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
@@ -449,7 +448,7 @@ def _log_failed_write(future: asyncio.Future[None]) -> None:
 
 
 def _call_id() -> str:
-    return f"call_{shortuuid.uuid()[:22]}"
+    return new_id("call")
 
 
 def _tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:

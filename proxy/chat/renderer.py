@@ -60,6 +60,8 @@ class ChatRenderer:
         )
         self.stop_token_ids: tuple[int, ...] = self._find_stop_ids()
         self._probe_text = self._apply(_PROBE, add_generation_prompt=False)
+        # bridge() per final token: None when the completion did not end on a stop token.
+        self._bridges: dict[int | None, list[int]] = {}
 
     @classmethod
     def from_directory(cls, path: str | Path, *, tool_parser: str | None = None) -> ChatRenderer:
@@ -150,12 +152,17 @@ class ChatRenderer:
     def bridge(self, completion_ids: Sequence[int]) -> list[int]:
         """Context tokens between a sampled completion and the next message: the
         template's close of an assistant message, minus the stop token already sampled."""
-        close = self.assistant_close
-        if completion_ids and completion_ids[-1] in self.stop_token_ids:
-            stop_text = self.tokenizer.decode([completion_ids[-1]])
-            if close.startswith(stop_text):
-                close = close[len(stop_text) :]
-        return self.encode(close) if close else []
+        last = completion_ids[-1] if completion_ids else None
+        key = last if last in self.stop_token_ids else None
+        ids = self._bridges.get(key)
+        if ids is None:
+            close = self.assistant_close
+            if key is not None:
+                stop_text = self.tokenizer.decode([key])
+                if close.startswith(stop_text):
+                    close = close[len(stop_text) :]
+            ids = self._bridges[key] = self.encode(close) if close else []
+        return list(ids)
 
     # ------------------------------------------------------------------ decoding
 

@@ -394,8 +394,11 @@ class SessionStore:
             for job in batch:
                 self._one(job)
             return
+        settled: dict[asyncio.AbstractEventLoop, list[_Settle]] = {}
         for (_, loop, future), result in zip(batch, results, strict=True):
-            _resolve(loop, future, result, None)
+            settled.setdefault(loop, []).append((future, result, None))
+        for loop, items in settled.items():
+            _resolve_all(loop, items)
 
     def _one(self, job: tuple[_Op, asyncio.AbstractEventLoop, asyncio.Future[Any]]) -> None:
         op, loop, future = job
@@ -468,19 +471,29 @@ class SessionStore:
         await asyncio.to_thread(thread.join)
 
 
+_Settle = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+
+def _resolve_all(loop: asyncio.AbstractEventLoop, items: list[_Settle]) -> None:
+    """Settle futures of ``loop`` from the writer thread: one wake-up for all of them."""
+
+    def settle() -> None:
+        for future, result, error in items:
+            if future.done():  # the waiter was cancelled; the write happened regardless
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the loop is already closed
+        loop.call_soon_threadsafe(settle)
+
+
 def _resolve(
     loop: asyncio.AbstractEventLoop,
     future: asyncio.Future[Any],
     result: Any,
     error: BaseException | None,
 ) -> None:
-    def settle() -> None:
-        if future.done():  # the waiter was cancelled; the write happened regardless
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # the loop is already closed
-        loop.call_soon_threadsafe(settle)
+    _resolve_all(loop, [(future, result, error)])

@@ -16,7 +16,6 @@ import json
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import shortuuid
 from aiohttp import web
 
 from proxy.api.anthropic.errors import anthropic_error, error_body
@@ -26,6 +25,7 @@ from proxy.api.sse import EventStream
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.chat.messages import ChatMessage, ToolCall
 from proxy.exceptions import ProxyError, ServiceUnavailableError
+from proxy.ids import new_id
 from proxy.models import ServedModel
 from proxy.service import (
     PreparedTurn,
@@ -75,7 +75,7 @@ def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
 
 
 def message_id() -> str:
-    return f"msg_{shortuuid.uuid()}"
+    return new_id("msg")
 
 
 def message_body(result: TurnResult) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import shortuuid
 from aiohttp import web
 
 from proxy.api.errors import error_body, json_response, parse_json
@@ -22,6 +21,7 @@ from proxy.api.openai.models import CompletionRequest
 from proxy.api.sse import EventStream
 from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import BadRequestError, ProxyError
+from proxy.ids import new_id
 from proxy.sampling import AgentSampling
 from proxy.service import TextDelta, TurnDone, TurnRequest, TurnResult, TurnService
 from proxy.sessions.model import Session
@@ -118,7 +118,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokenizer = service.models.models[results[0].model].renderer.tokenizer
         return json_response(
             {
-                "id": f"cmpl-{shortuuid.uuid()}",
+                "id": new_id("cmpl", "-"),
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": results[0].model,
@@ -173,7 +173,7 @@ async def _stream(
     carries its finish reason); concatenated over the chunks they are the whole list."""
     stream = await EventStream.open(request)
     base = {
-        "id": f"cmpl-{shortuuid.uuid()}",
+        "id": new_id("cmpl", "-"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,

@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import shortuuid
 from aiohttp import web
 
 from proxy.api.errors import error_body, json_response, parse_json
@@ -17,6 +16,7 @@ from proxy.api.openai.models import ChatCompletionRequest
 from proxy.api.sse import EventStream
 from proxy.appkeys import POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
+from proxy.ids import new_id
 from proxy.sampling import AgentSampling
 from proxy.service import TextDelta, ToolCallReady, TurnRequest, TurnResult
 
@@ -64,7 +64,7 @@ def chat_completion_body(
     results: Sequence[TurnResult], created: int, tokenizer: Any = None
 ) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-{shortuuid.uuid()}",
+        "id": new_id("chatcmpl", "-"),
         "object": "chat.completion",
         "created": created,
         "model": results[0].model,
@@ -100,7 +100,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # its own seed so the choices differ.
     turns = choice_requests(turn, parsed.n)
     if not parsed.stream:
-        results = await asyncio.gather(*(service.run_turn(session, t) for t in turns))
+        if len(turns) == 1:  # the common case, without a task per choice
+            results = [await service.run_turn(session, turns[0])]
+        else:
+            results = list(await asyncio.gather(*(service.run_turn(session, t) for t in turns)))
         tokenizer = (
             service.models.models[results[0].model].renderer.tokenizer if parsed.logprobs else None
         )
@@ -124,7 +127,7 @@ async def stream_chat_completion(
     index), then ``data: [DONE]``."""
     stream = await EventStream.open(request)
     base = {
-        "id": f"chatcmpl-{shortuuid.uuid()}",
+        "id": new_id("chatcmpl", "-"),
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,

@@ -25,8 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import shortuuid
-
+from proxy import ids
 from proxy.chat.messages import ToolCall
 from proxy.exceptions import ProxyError
 from proxy.service import TurnResult
@@ -48,7 +47,7 @@ class ResponseEcho:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{shortuuid.uuid()}"
+    return ids.new_id(prefix)
 
 
 def status_of(result: TurnResult) -> tuple[str, dict[str, Any] | None]:
