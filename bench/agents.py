@@ -121,6 +121,11 @@ class Call:
     ttft: float | None
     prompt_tokens: int
     completion_tokens: int
+    # Which recorded turn this call became (proxy targets): its session and its index.
+    trial_id: str = ""
+    turn: int = -1
+    # Wall-clock time (Unix seconds) the first content arrived, streamed calls only.
+    first_token_wall: float | None = None
 
 
 @dataclass(slots=True)
@@ -167,8 +172,10 @@ class Agent:
         add_words: int,
         max_tokens: int,
         stream: bool,
+        model: str = "bench",
     ) -> None:
         self.http = http
+        self.model = model
         self.target = target
         self.rng = random.Random(seed)
         self.system_words = system_words
@@ -179,6 +186,7 @@ class Agent:
         self.headers: dict[str, str] = {}
         self.messages: list[dict[str, Any]] = []
         self.trial_id = ""
+        self.turns = 0  # calls made in the current session
 
     async def new_session(self, system: str | None = None) -> None:
         if self.target.kind == "proxy":
@@ -199,6 +207,7 @@ class Agent:
 
             self.base_url = f"{self.target.url}/v1"
             self.headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
+        self.turns = 0
         self.messages = [
             {"role": "system", "content": system or words(self.rng, self.system_words)},
             {"role": "user", "content": words(self.rng, self.add_words)},
@@ -212,7 +221,7 @@ class Agent:
 
     async def turn(self) -> Call:
         body = {
-            "model": "bench",
+            "model": self.model,
             "messages": self.messages,
             "max_tokens": self.max_tokens,
             "temperature": 1.0,
@@ -224,6 +233,7 @@ class Agent:
         headers = {**self.headers, "Content-Type": "application/json"}
         started = time.perf_counter()
         ttft: float | None = None
+        first_wall: float | None = None
         usage: dict[str, Any] = {}
         async with self.http.post(
             f"{self.base_url}/chat/completions", data=data, headers=headers
@@ -252,15 +262,20 @@ class Agent:
                         if text:
                             if ttft is None:
                                 ttft = time.perf_counter() - started
+                                first_wall = time.time()
                             parts.append(text)
                 seconds = time.perf_counter() - started
                 content = "".join(parts)
         self.messages.append({"role": "assistant", "content": content})
+        self.turns += 1
         return Call(
             seconds,
             ttft,
             int(usage.get("prompt_tokens", 0)),
             int(usage.get("completion_tokens", 0)),
+            trial_id=self.trial_id,
+            turn=self.turns - 1,
+            first_token_wall=first_wall,
         )
 
 
@@ -284,6 +299,7 @@ async def run_load(
     seed: int = 0,
     on_start: Callable[[], Awaitable[None]] | None = None,
     max_seconds: float | None = None,
+    model: str = "bench",
 ) -> LoadResult:
     """``concurrency`` agents share ``total_turns`` turns; each opens a new session every
     ``turns_per_session`` turns. Session creation is not timed. With ``max_seconds``, no
@@ -304,6 +320,7 @@ async def run_load(
                 add_words=add_words,
                 max_tokens=max_tokens,
                 stream=stream,
+                model=model,
             )
             done_in_session = turns_per_session
             while remaining > 0 and time.perf_counter() < deadline:

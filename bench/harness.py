@@ -18,10 +18,19 @@ from typing import Any
 
 import aiohttp
 
-from bench.agents import Agent, LoadResult, Target, client_session, median, percentile, run_load
+from bench.agents import (
+    Agent,
+    Call,
+    LoadResult,
+    Target,
+    client_session,
+    median,
+    percentile,
+    run_load,
+)
 from bench.processes import Proc, Processes, wait_http
 
-SECTIONS = ("latency", "context", "memory", "profile")
+SECTIONS = ("latency", "stream", "context", "memory", "profile")
 
 
 @dataclass(slots=True)
@@ -43,6 +52,11 @@ class Sizes:
     memory_tokens: int = 32768
     idle_sessions: int = 2000
     profile_seconds: float = 8.0
+    # Streaming at an engine's pace: one token per frame, as a GPU produces them.
+    stream_concurrencies: tuple[int, ...] = (1, 32)
+    stream_turns_at: dict[int, int] = field(default_factory=lambda: {1: 24, 32: 256})
+    stream_reply_tokens: int = 64
+    stream_tokens_per_second: float = 50.0
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -60,6 +74,10 @@ class Sizes:
             idle_sessions=10,
             profile_seconds=1.0,
             litellm_max_seconds=None,
+            stream_concurrencies=(1, 4),
+            stream_turns_at={1: 3, 4: 8},
+            stream_reply_tokens=8,
+            stream_tokens_per_second=200.0,
         )
 
 
@@ -69,6 +87,10 @@ class Stack:
     workers: list[Proc]
     upstream: Proc
     litellm: Proc | None
+    paced: Proc | None = None  # an instant worker pacing its tokens (model PACED_MODEL)
+
+
+PACED_MODEL = "bench-paced"
 
 
 def _words_for(tokens: int, tokens_per_word: float) -> int:
@@ -161,6 +183,103 @@ async def section_latency(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
                     flush=True,
                 )
     return rows
+
+
+async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
+    """Streams at an engine's pace (each token its own frame, as a GPU produces them):
+    proxy CPU per streamed token, and how long the first token takes from the worker's
+    engine handing it on to the agent reading it."""
+    rows: list[dict[str, Any]] = []
+    for concurrency in sizes.stream_concurrencies:
+        before = stack.proxy.cpu_seconds()
+        result = await run_load(
+            Target("proxy", stack.proxy.url),
+            concurrency=concurrency,
+            total_turns=sizes.stream_turns_at[concurrency],
+            turns_per_session=sizes.turns_per_session,
+            stream=True,
+            max_tokens=sizes.stream_reply_tokens,
+            model=PACED_MODEL,
+        )
+        cpu = stack.proxy.cpu_seconds() - before
+        tokens = sum(c.completion_tokens for c in result.calls)
+        lags = await _first_token_lags(stack.proxy.url, result.calls)
+        row: dict[str, Any] = {
+            "concurrency": concurrency,
+            "turns": len(result.calls),
+            "errors": result.errors,
+            "first_error": result.first_error,
+            "tokens_per_turn": sizes.stream_reply_tokens,
+            "engine_tokens_per_s": sizes.stream_tokens_per_second,
+            "tokens": tokens,
+            "tokens_per_s": tokens / result.wall_seconds if result.wall_seconds else 0.0,
+            "cpu_us_per_token": cpu / tokens * 1e6 if tokens else None,
+            "cpu_ms_per_turn": cpu / len(result.calls) * 1e3 if result.calls else None,
+            "lag_p50_ms": percentile(lags, 0.5) * 1e3 if lags else None,
+            "lag_p99_ms": percentile(lags, 0.99) * 1e3 if lags else None,
+            "lags": len(lags),
+        }
+        rows.append(row)
+        print(
+            f"  paced c={concurrency:<3d} turns={row['turns']} err={row['errors']} "
+            f"{row['tokens_per_s']:.0f} tok/s cpu={_fmt(row['cpu_us_per_token'], 0)}us/token "
+            f"first-token lag p50={_fmt(row['lag_p50_ms'])}ms",
+            flush=True,
+        )
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+async def _wait_for_model(url: str, model: str, within: float = 60.0) -> None:
+    """Until a worker serving ``model`` has joined (readiness needs just one worker)."""
+    from bench.processes import ADMIN_TOKEN
+
+    deadline = time.perf_counter() + within
+    async with client_session(1) as http:
+        async with http.post(
+            f"{url}/sessions", json={}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as response:
+            body = await response.json()
+        while True:
+            async with http.get(
+                f"{body['base_url']}/models",
+                headers={"Authorization": f"Bearer {body['api_key']}"},
+            ) as response:
+                served = {m["id"] for m in (await response.json())["data"]}
+            if model in served:
+                return
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no worker serving {model} joined within {within:g}s")
+            await asyncio.sleep(0.2)
+
+
+async def _first_token_lags(url: str, calls: list[Call]) -> list[float]:
+    """Seconds from the engine handing each call's first token on (``first_token_time``
+    in the turn's record, instant backend) to the agent reading it. Both are wall-clock
+    times on this one machine."""
+    from bench.processes import ADMIN_TOKEN
+
+    emitted: dict[tuple[str, int], float] = {}
+    async with client_session(1) as http:
+        for trial_id in sorted({c.trial_id for c in calls if c.trial_id}):
+            async with http.get(
+                f"{url}/sessions/{trial_id}/trajectories",
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            ) as response:
+                body = await response.json()
+            for trajectory in body["trajectories"]:
+                for turn in trajectory["turns"]:
+                    at = (turn.get("extra") or {}).get("first_token_time")
+                    if at:
+                        emitted[(trial_id, turn["turn"])] = float(at)
+    return [
+        c.first_token_wall - emitted[(c.trial_id, c.turn)]
+        for c in calls
+        if c.first_token_wall is not None and (c.trial_id, c.turn) in emitted
+    ]
 
 
 async def _prime(agent: Agent, system: str) -> None:
@@ -391,6 +510,16 @@ async def run(
         upstream = procs.upstream(model_dir, reply_tokens=sizes.reply_tokens)
         wait_http(proxy, "/healthz")
         worker = procs.instant_worker(proxy, model_dir, reply_tokens=sizes.reply_tokens)
+        paced = None
+        if "stream" in sections:
+            paced = procs.instant_worker(
+                proxy,
+                model_dir,
+                reply_tokens=sizes.stream_reply_tokens,
+                index=1,
+                name=PACED_MODEL,
+                tokens_per_second=sizes.stream_tokens_per_second,
+            )
         wait_http(proxy, "/readyz")
         wait_http(upstream, "/healthz")
         litellm = procs.litellm(upstream) if with_litellm else None
@@ -403,11 +532,16 @@ async def run(
                 litellm = None
         elif with_litellm:
             results["litellm_error"] = "LiteLLM side environment missing (make bench-litellm)"
-        stack = Stack(proxy, [worker], upstream, litellm)
+        stack = Stack(proxy, [worker], upstream, litellm, paced)
         results["log_dir"] = str(procs.log_dir)
         if "latency" in sections:
             print("latency / throughput", flush=True)
             results["latency"] = await section_latency(stack, sizes)
+            save(results)
+        if "stream" in sections:
+            print("paced streams", flush=True)
+            await _wait_for_model(proxy.url, PACED_MODEL)
+            results["stream"] = await section_stream(stack, sizes)
             save(results)
         if "context" in sections:
             print("long contexts", flush=True)

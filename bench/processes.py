@@ -138,7 +138,14 @@ class Processes:
         return proc
 
     def instant_worker(
-        self, proxy: Proc, model_dir: Path, *, reply_tokens: int, index: int = 0
+        self,
+        proxy: Proc,
+        model_dir: Path,
+        *,
+        reply_tokens: int,
+        index: int = 0,
+        name: str = "bench",
+        tokens_per_second: float = 0.0,
     ) -> Proc:
         ws = proxy.url.replace("http://", "ws://") + "/ws/worker"
         return self.spawn(
@@ -157,7 +164,9 @@ class Processes:
                 "--model",
                 str(model_dir),
                 "--name",
-                "bench",
+                name,
+                "--tokens-per-second",
+                str(tokens_per_second),
                 "--max-concurrency",
                 "4096",
                 "--reply-tokens",

@@ -162,6 +162,21 @@ def context_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def stream_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| concurrency | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | **proxy CPU µs per streamed token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['engine_tokens_per_s']:.0f} | {r['tokens_per_turn']} | "
+            f"{r['turns']} | {r['errors']} | {r['tokens_per_s']:.0f} | "
+            f"**{_f(r['cpu_us_per_token'], 0)}** | {_f(r['cpu_ms_per_turn'])} | "
+            f"**{_f(r['lag_p50_ms'])} / {_f(r['lag_p99_ms'])}** |"
+        )
+    return "\n".join(lines)
+
+
 def memory_table(m: dict[str, Any]) -> str:
     return "\n".join(
         [
@@ -256,11 +271,21 @@ def targets_table(results: dict[str, Any]) -> str:
                 per_idle <= 50_000 if per_idle * mem["idle_sessions"] >= 2**20 else None,
             )
         )
+    lag = next((r["lag_p50_ms"] for r in results.get("stream", []) if r["concurrency"] == 1), None)
+    if lag is not None:
+        rows.append(
+            (
+                "first token, worker's engine → agent p50 (c=1)",
+                "≤ 2 ms",
+                f"{lag:.2f} ms",
+                lag <= 2.0,
+            )
+        )
     first = added("proxy", 1, True, "ttft_p50_ms")
     if first is not None:
-        rows.append(
-            ("first token, proxy's added p50 (c=1)", "≤ 2 ms", f"{first:.2f} ms", first <= 2.0)
-        )
+        # Not the target's measure: this includes rendering and dispatching the prompt,
+        # which happen before the worker emits anything (the added latency covers them).
+        rows.append(("time to first token, proxy's added p50 (c=1)", "-", f"{first:.2f} ms", None))
     lines = ["| target | goal | measured | |", "|---|---:|---:|---|"]
     lines += [f"| {name} | {goal} | {got} | {_verdict(ok)} |" for name, goal, got, ok in rows]
     return "\n".join(lines)
@@ -280,6 +305,8 @@ def render(
     if "latency" in results:
         parts += ["## Added latency", "", latency_table(results["latency"]), ""]
         parts += ["## Throughput and CPU", "", throughput_table(results["latency"]), ""]
+    if "stream" in results:
+        parts += ["## Streams at an engine's pace", "", stream_table(results["stream"]), ""]
     if "context" in results:
         parts += ["## Long contexts", "", context_table(results["context"]), ""]
     if "memory" in results:

@@ -30,7 +30,7 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             "--quick",
             "--no-litellm",
             "--sections",
-            "latency,context,memory",
+            "latency,stream,context,memory",
             "--model",
             str(tiny_model_dir),
             "--out",
@@ -88,6 +88,22 @@ def test_long_context_turns_continue_the_session(results: dict[str, object]) -> 
         assert row["cpu_ms_per_turn"] >= 0
 
 
+def test_paced_streams_are_measured_per_token(results: dict[str, object]) -> None:
+    """Each paced run streamed every token of every reply, charged the proxy's CPU to them
+    and timed each first token from the engine to the agent."""
+    sizes = Sizes.quick()
+    rows = results["stream"]
+    assert isinstance(rows, list)
+    assert [r["concurrency"] for r in rows] == list(sizes.stream_concurrencies)
+    for row in rows:
+        assert row["errors"] == 0, row["first_error"]
+        assert row["turns"] == sizes.stream_turns_at[row["concurrency"]]
+        assert row["tokens"] == row["turns"] * sizes.stream_reply_tokens
+        assert row["cpu_us_per_token"] > 0
+        assert row["lags"] == row["turns"]  # every turn's first token was matched
+        assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"]
+
+
 def test_memory_section_counts_the_stored_tokens(results: dict[str, object]) -> None:
     """The memory run stored the sessions it made and measured the proxy's RSS."""
     sizes = Sizes.quick()
@@ -103,7 +119,13 @@ def test_markdown_report_has_every_table(results: dict[str, object]) -> None:
     tables."""
     text = results["_markdown"]
     assert isinstance(text, str)
-    for heading in ("## Added latency", "## Throughput and CPU", "## Long contexts", "## Memory"):
+    for heading in (
+        "## Added latency",
+        "## Throughput and CPU",
+        "## Streams at an engine's pace",
+        "## Long contexts",
+        "## Memory",
+    ):
         assert heading in text
     assert "cores" in text
     assert "python -m bench" in text

@@ -41,6 +41,20 @@ RESULTS: dict[str, Any] = {
         {"context_tokens": 128000, "cpu_ms_per_turn": 1.4},
     ],
     "memory": {"bytes_per_token": 20.0, "bytes_per_idle_session": 0.0},
+    "stream": [
+        {
+            "concurrency": 1,
+            "engine_tokens_per_s": 50.0,
+            "tokens_per_turn": 64,
+            "turns": 24,
+            "errors": 0,
+            "tokens_per_s": 48.0,
+            "cpu_us_per_token": 150.0,
+            "cpu_ms_per_turn": 12.0,
+            "lag_p50_ms": 0.8,  # met
+            "lag_p99_ms": 2.5,
+        }
+    ],
 }
 # What the latency, context and memory tables read besides the figures judged.
 RESULTS["context"] = [
@@ -67,7 +81,20 @@ def test_targets_are_judged_from_the_figures() -> None:
     assert lines["CPU/turn at 128000 ÷ at 1000 tokens"].endswith("| 1.40× | met |")
     assert lines["bytes per stored token"].endswith("**missed** |")
     assert lines["bytes per idle session"].endswith("| - |")  # not resolved: no verdict
-    assert lines["first token, proxy's added p50 (c=1)"].endswith("**missed** |")
+    assert lines["first token, worker's engine → agent p50 (c=1)"].endswith("| 0.80 ms | met |")
+    # Time to first token added (rendering included) is shown, not judged.
+    assert lines["time to first token, proxy's added p50 (c=1)"].endswith("| 2.50 ms | - |")
+
+
+def test_a_slow_first_token_misses_and_streams_get_their_table() -> None:
+    stream = [RESULTS["stream"][0] | {"lag_p50_ms": 2.4}]
+    table = targets_table(RESULTS | {"stream": stream})
+    assert "| first token, worker's engine → agent p50 (c=1) | ≤ 2 ms | 2.40 ms | **missed** |" in (
+        table
+    )
+    text = render(RESULTS, {}, "python -m bench")
+    assert "## Streams at an engine's pace" in text
+    assert "| 1 | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | **0.80 / 2.50** |" in text
 
 
 def test_idle_sessions_get_a_verdict_only_when_rss_grew_measurably() -> None:

@@ -13,6 +13,9 @@ tool call), and its logprobs are made up.
   (``tokens_per_second=0``) or paced at that rate.
 * The same seed and prompt length give the same reply; without a seed, the request id
   seeds it.
+* The last chunk's ``extra`` carries ``first_token_time``: the wall-clock time (Unix
+  seconds) at which the first token was handed on, so a benchmark can tell how long the
+  token took to reach the agent.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import hashlib
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -123,6 +127,7 @@ class InstantEngine:
         delay = 1.0 / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
         self._running.add(request_id)
         self.served += 1
+        first_at = 0.0
         try:
             for produced in range(1, count + 1):
                 if request_id in self._aborted:
@@ -131,12 +136,16 @@ class InstantEngine:
                 if delay:
                     await asyncio.sleep(delay)
                 logprob = -rng.random() * 4.0
+                if produced == 1:
+                    first_at = time.time()
                 if produced < count:
                     yield TokenChunk([rng.choice(self.vocab)], [logprob])
-                elif ends_with_stop:
-                    yield TokenChunk([self.eos_token_id], [logprob], FinishReason.STOP)
+                    continue
+                extra: dict[str, str | int | float] = {"first_token_time": first_at}
+                if ends_with_stop:
+                    yield TokenChunk([self.eos_token_id], [logprob], FinishReason.STOP, extra)
                 else:
-                    yield TokenChunk([rng.choice(self.vocab)], [logprob], FinishReason.LENGTH)
+                    yield TokenChunk([rng.choice(self.vocab)], [logprob], FinishReason.LENGTH, extra)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
