@@ -508,11 +508,12 @@ class WorkerPool:
         call._slot = slot
         self._queue.push(call.lane, call, front=front)
         self._pump()
-        try:
-            await asyncio.wait({slot}, timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.CancelledError:
-            self._abandon(call, slot)
-            raise
+        if not slot.done():  # no free slot now: wait in line
+            try:
+                await asyncio.wait({slot}, timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                self._abandon(call, slot)
+                raise
         if slot.done():
             return slot.result()  # raises RequestCancelledError when cancelled meanwhile
         self._abandon(call, slot)
