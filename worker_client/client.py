@@ -226,22 +226,24 @@ class WorkerClient:
         prompt = protocol.unpack_ids(message.prompt_ids)
         finished = False
         try:
-            stream = served.engine.generate(rid, prompt, sampling)
-            async for chunk in stream:
-                if chunk.finish_reason is None:
-                    outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
-                    continue
-                finished = True
-                outbox.finish(
-                    protocol.Done(
-                        rid,
-                        chunk.finish_reason.value,
-                        protocol.pack_ids(chunk.token_ids),
-                        protocol.pack_logprobs(chunk.logprobs),
-                        dict(chunk.extra),
+            # aclosing: however this ends, the engine's generator is finalized now (an
+            # engine may hold a lock across its yields), not whenever it is collected.
+            async with contextlib.aclosing(served.engine.generate(rid, prompt, sampling)) as stream:
+                async for chunk in stream:
+                    if chunk.finish_reason is None:
+                        outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
+                        continue
+                    finished = True
+                    outbox.finish(
+                        protocol.Done(
+                            rid,
+                            chunk.finish_reason.value,
+                            protocol.pack_ids(chunk.token_ids),
+                            protocol.pack_logprobs(chunk.logprobs),
+                            dict(chunk.extra),
+                        )
                     )
-                )
-                return
+                    return
             raise EngineError("engine stream ended without a finish reason")
         except asyncio.CancelledError:
             outbox.discard(rid)

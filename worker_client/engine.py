@@ -17,7 +17,7 @@ At temperature 1.0 with top-p 1.0 and top-k off, both are identical.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -81,7 +81,7 @@ class Engine(Protocol):
 
     def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Stream the sampled tokens of one request. Must end with a chunk that has a
         ``finish_reason``. Raises ``EngineError`` subclasses on failure."""
         ...

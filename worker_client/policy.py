@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from worker_client.engine import Engine, ModelCard, SamplingParams, TokenChunk
 
@@ -56,7 +56,7 @@ class VersionedEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         async with self._changed:
             await self._changed.wait_for(lambda: self.state is PolicyState.SERVING)
             self._running.add(request_id)

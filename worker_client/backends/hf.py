@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +195,7 @@ class HFEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         import torch
 
         room = check_prompt(self._card, prompt_ids)

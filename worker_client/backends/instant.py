@@ -25,7 +25,7 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
 from worker_client.engine import (
@@ -118,7 +118,7 @@ class InstantEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         room = check_prompt(self._card, prompt_ids)
         limit = min(sampling.max_tokens, room)
         count = min(self.reply_tokens, limit)
@@ -145,7 +145,9 @@ class InstantEngine:
                 if ends_with_stop:
                     yield TokenChunk([self.eos_token_id], [logprob], FinishReason.STOP, extra)
                 else:
-                    yield TokenChunk([rng.choice(self.vocab)], [logprob], FinishReason.LENGTH, extra)
+                    yield TokenChunk(
+                        [rng.choice(self.vocab)], [logprob], FinishReason.LENGTH, extra
+                    )
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,7 @@ class OpenAIEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
         aborted = self._running.setdefault(request_id, asyncio.Event())

@@ -19,7 +19,7 @@ verl answers a request in one piece, so a turn arrives as one chunk (no token st
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
 from worker_client.engine import (
@@ -108,7 +108,7 @@ class VerlEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         check_prompt(self._card, prompt_ids)
         try:
             output = await self.client.generate(

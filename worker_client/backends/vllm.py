@@ -20,7 +20,7 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from worker_client.engine import (
@@ -193,7 +193,7 @@ class VLLMEngine:
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         check_prompt(self._card, prompt_ids)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
