@@ -211,7 +211,7 @@ class TurnService:
     async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
         """A whole turn, for non-streaming APIs."""
         prepared = await self.start(session, request)
-        async for event in self.stream(prepared):
+        async for event in self.stream(prepared, incremental=False):
             if isinstance(event, TurnDone):
                 return event.result
         raise UpstreamError("the turn ended without a result")  # pragma: no cover
@@ -231,13 +231,21 @@ class TurnService:
             await events.aclose()
             await prepared.call.cancel()
 
-    async def stream(self, prepared: PreparedTurn) -> AsyncGenerator[TurnEvent, None]:
+    async def stream(
+        self, prepared: PreparedTurn, *, incremental: bool = True
+    ) -> AsyncGenerator[TurnEvent, None]:
         """Events as the worker samples; the turn is recorded before ``TurnDone``.
+
+        ``incremental=False`` is for a consumer that only wants the result (a reply that
+        is not streamed): the sampled ids are then decoded and parsed once at the end
+        instead of token by token, with the same outcome. Stop strings still need the
+        text as it grows, so with them decoding stays incremental.
 
         If the consumer goes away (the agent disconnected), the generation is cancelled on
         the worker and what was sampled so far is recorded as a truncated turn."""
         renderer = prepared.served.renderer
         request = prepared.request
+        incremental = incremental or bool(request.stop)
         detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
         parser = self._parser(prepared)
         stopper = StopMatcher(request.stop)
@@ -252,6 +260,9 @@ class TurnService:
                         if prepared.first_token_at is None and event.token_ids:
                             prepared.first_token_at = time.perf_counter()
                         logprobs.extend(event.logprobs)
+                        if not incremental:
+                            detok.add(event.token_ids)
+                            continue
                         text = stopper.feed(detok.push(event.token_ids))
                         for out in self._parsed(parser.feed(text) if text else [], calls):
                             shown = True

@@ -37,6 +37,10 @@ class IncrementalDetokenizer:
         text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
         return text
 
+    def add(self, new_ids: Sequence[int]) -> None:
+        """Add sampled ids without decoding them yet (``flush`` returns their text)."""
+        self.ids.extend(new_ids)
+
     def push(self, new_ids: Sequence[int]) -> str:
         """Add sampled ids; return the text that can be shown now."""
         self.ids.extend(new_ids)

@@ -43,3 +43,14 @@ def test_stop_token_in_the_middle_is_shown(renderer: ChatRenderer) -> None:
     text = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert text == renderer.completion_text(ids)
     assert renderer.tokenizer.decode([stop]) in text
+
+
+def test_ids_added_without_decoding_flush_to_the_whole_reply(renderer: ChatRenderer) -> None:
+    """A reply that is not streamed adds its ids as they come and decodes them once."""
+    text = "héllo ✓ 你好 🙂 done"
+    ids = [*renderer.encode(text), renderer.stop_token_ids[0]]
+    detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+    for i in ids:
+        detok.add([i])
+    assert detok.ids == ids
+    assert detok.flush() == renderer.completion_text(ids) == text
