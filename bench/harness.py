@@ -30,7 +30,7 @@ from bench.agents import (
 )
 from bench.processes import Proc, Processes, wait_http
 
-SECTIONS = ("latency", "stream", "context", "memory", "profile")
+SECTIONS = ("latency", "stream", "inmemory", "context", "memory", "profile")
 
 
 @dataclass(slots=True)
@@ -88,6 +88,7 @@ class Stack:
     upstream: Proc
     litellm: Proc | None
     paced: Proc | None = None  # an instant worker pacing its tokens (model PACED_MODEL)
+    volatile: Proc | None = None  # a second proxy without durability (its own worker)
 
 
 PACED_MODEL = "bench-paced"
@@ -280,6 +281,37 @@ async def _first_token_lags(url: str, calls: list[Call]) -> list[float]:
         for c in calls
         if c.first_token_wall is not None and (c.trial_id, c.turn) in emitted
     ]
+
+
+async def section_inmemory(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
+    """What durability costs: the non-streamed runs of the latency section once more,
+    through a second proxy that keeps sessions in memory only (same upstream, its own
+    instant worker)."""
+    assert stack.volatile is not None
+    rows: list[dict[str, Any]] = []
+    for concurrency in sizes.concurrencies[:2]:
+        before = stack.volatile.cpu_seconds()
+        result = await run_load(
+            Target("proxy", stack.volatile.url),
+            concurrency=concurrency,
+            total_turns=sizes.turns_at[concurrency],
+            turns_per_session=sizes.turns_per_session,
+            stream=False,
+            max_tokens=64,
+        )
+        cpu = stack.volatile.cpu_seconds() - before
+        row = _summary(result) | {
+            "concurrency": concurrency,
+            "server_cpu_ms_per_turn": cpu / max(len(result.calls), 1) * 1e3,
+        }
+        rows.append(row)
+        print(
+            f"  in memory c={concurrency:<4d} turns={row['turns']} err={row['errors']} "
+            f"p50={row['p50_ms']:.2f}ms {row['turns_per_s']:.0f}/s "
+            f"cpu={row['server_cpu_ms_per_turn']:.2f}ms/turn",
+            flush=True,
+        )
+    return rows
 
 
 async def _prime(agent: Agent, system: str) -> None:
@@ -521,6 +553,14 @@ async def run(
                 tokens_per_second=sizes.stream_tokens_per_second,
             )
         wait_http(proxy, "/readyz")
+        volatile = volatile_worker = None
+        if "inmemory" in sections and durable:
+            volatile = procs.proxy(proxy_args, durable=False, name="proxy-in-memory")
+            wait_http(volatile, "/healthz")
+            volatile_worker = procs.instant_worker(
+                volatile, model_dir, reply_tokens=sizes.reply_tokens, index=2
+            )
+            wait_http(volatile, "/readyz")
         wait_http(upstream, "/healthz")
         litellm = procs.litellm(upstream) if with_litellm else None
         if litellm is not None:
@@ -532,7 +572,7 @@ async def run(
                 litellm = None
         elif with_litellm:
             results["litellm_error"] = "LiteLLM side environment missing (make bench-litellm)"
-        stack = Stack(proxy, [worker], upstream, litellm, paced)
+        stack = Stack(proxy, [worker], upstream, litellm, paced, volatile)
         results["log_dir"] = str(procs.log_dir)
         if "latency" in sections:
             print("latency / throughput", flush=True)
@@ -542,6 +582,14 @@ async def run(
             print("paced streams", flush=True)
             await _wait_for_model(proxy.url, PACED_MODEL)
             results["stream"] = await section_stream(stack, sizes)
+            save(results)
+        if volatile is not None:
+            print("in memory (no durability)", flush=True)
+            results["inmemory"] = await section_inmemory(stack, sizes)
+            # Its processes must not disturb what follows.
+            volatile.stop()
+            if volatile_worker is not None:
+                volatile_worker.stop()
             save(results)
         if "context" in sections:
             print("long contexts", flush=True)

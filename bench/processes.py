@@ -109,14 +109,14 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def proxy(self, extra_args: list[str], *, durable: bool = True) -> Proc:
+    def proxy(self, extra_args: list[str], *, durable: bool = True, name: str = "proxy") -> Proc:
         """``rollout-relay proxy``; ``durable`` stores sessions in SQLite (``--data-dir``)."""
         port = free_port()
         env = dict(AUTH_ENV)
         if durable:
             env["RELAY_DATA_DIR"] = str(self.log_dir / "data")
         proc = self.spawn(
-            "proxy",
+            name,
             [
                 sys.executable,
                 "-m",

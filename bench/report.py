@@ -177,6 +177,27 @@ def stream_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def inmemory_table(latency: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """Durable (the latency section's non-streamed runs) next to in memory."""
+    by = {(r["target"], r["concurrency"], r["stream"]): r for r in latency}
+    lines = [
+        "| concurrency | added p50, durable (ms) | added p50, in memory (ms) | turns/s durable / in memory | proxy CPU ms/turn durable / in memory |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["concurrency"]
+        direct, durable = by.get(("direct", c, False)), by.get(("proxy", c, False))
+        if direct is None or durable is None:
+            continue
+        lines.append(
+            f"| {c} | {durable['p50_ms'] - direct['p50_ms']:.2f} | "
+            f"{r['p50_ms'] - direct['p50_ms']:.2f} | "
+            f"{durable['turns_per_s']:.0f} / {r['turns_per_s']:.0f} | "
+            f"{durable['server_cpu_ms_per_turn']:.2f} / {r['server_cpu_ms_per_turn']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def memory_table(m: dict[str, Any]) -> str:
     return "\n".join(
         [
@@ -305,6 +326,13 @@ def render(
     if "latency" in results:
         parts += ["## Added latency", "", latency_table(results["latency"]), ""]
         parts += ["## Throughput and CPU", "", throughput_table(results["latency"]), ""]
+    if "inmemory" in results and "latency" in results:
+        parts += [
+            "## What durability costs",
+            "",
+            inmemory_table(results["latency"], results["inmemory"]),
+            "",
+        ]
     if "stream" in results:
         parts += ["## Streams at an engine's pace", "", stream_table(results["stream"]), ""]
     if "context" in results:

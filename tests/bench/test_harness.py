@@ -30,7 +30,7 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             "--quick",
             "--no-litellm",
             "--sections",
-            "latency,stream,context,memory",
+            "latency,stream,inmemory,context,memory",
             "--model",
             str(tiny_model_dir),
             "--out",
@@ -104,6 +104,18 @@ def test_paced_streams_are_measured_per_token(results: dict[str, object]) -> Non
         assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"]
 
 
+def test_in_memory_runs_repeat_the_non_streamed_ones(results: dict[str, object]) -> None:
+    """The second, in-memory proxy served the same non-streamed load without errors."""
+    sizes = Sizes.quick()
+    rows = results["inmemory"]
+    assert isinstance(rows, list)
+    assert [r["concurrency"] for r in rows] == list(sizes.concurrencies[:2])
+    for row in rows:
+        assert row["errors"] == 0, row["first_error"]
+        assert row["turns"] == sizes.turns_at[row["concurrency"]]
+        assert row["server_cpu_ms_per_turn"] > 0
+
+
 def test_memory_section_counts_the_stored_tokens(results: dict[str, object]) -> None:
     """The memory run stored the sessions it made and measured the proxy's RSS."""
     sizes = Sizes.quick()
@@ -122,6 +134,7 @@ def test_markdown_report_has_every_table(results: dict[str, object]) -> None:
     for heading in (
         "## Added latency",
         "## Throughput and CPU",
+        "## What durability costs",
         "## Streams at an engine's pace",
         "## Long contexts",
         "## Memory",

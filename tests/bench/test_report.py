@@ -86,6 +86,16 @@ def test_targets_are_judged_from_the_figures() -> None:
     assert lines["time to first token, proxy's added p50 (c=1)"].endswith("| 2.50 ms | - |")
 
 
+def test_durable_and_in_memory_runs_side_by_side() -> None:
+    inmemory = [
+        {"concurrency": 1, "p50_ms": 0.9, "turns_per_s": 400.0, "server_cpu_ms_per_turn": 0.8}
+    ]
+    text = render(RESULTS | {"inmemory": inmemory}, {}, "python -m bench")
+    assert "## What durability costs" in text
+    # Durable: 1.2 - 0.5 ms; in memory: 0.9 - 0.5 ms.
+    assert "| 1 | 0.70 | 0.40 | 100 / 400 | 1.00 / 0.80 |" in text
+
+
 def test_a_slow_first_token_misses_and_streams_get_their_table() -> None:
     stream = [RESULTS["stream"][0] | {"lag_p50_ms": 2.4}]
     table = targets_table(RESULTS | {"stream": stream})
