@@ -45,8 +45,8 @@ class Sizes:
     reply_tokens: int = 16
     # The largest starts below 128k so that its measured turns end inside the tiny
     # model's 131,072-token window.
-    context_tokens: tuple[int, ...] = (1024, 32768, 112000)
-    context_turns: int = 20
+    context_tokens: tuple[int, ...] = (1024, 32768, 110000)
+    context_turns: int = 40
     context_add_tokens: int = 300
     memory_sessions: int = 250
     memory_tokens: int = 32768
