@@ -319,9 +319,15 @@ async def _prime(agent: Agent, system: str) -> None:
 
 
 async def section_context(stack: Stack, sizes: Sizes, tpw: float) -> list[dict[str, Any]]:
-    """Proxy CPU per turn when the session already holds 1k / 32k / 128k tokens."""
-    rows: list[dict[str, Any]] = []
+    """Proxy CPU per turn when the session already holds 1k / 32k / 128k tokens.
+
+    The sizes take turns (one turn of each, round after round), so a machine that gets
+    slower or faster while this runs shifts every size alike instead of one."""
+    from bench.agents import words
+
     async with client_session(1) as http:
+        agents: list[Agent] = []
+        rows: list[dict[str, Any]] = []
         for size in sizes.context_tokens:
             rng = random.Random(size)
             agent = Agent(
@@ -333,35 +339,37 @@ async def section_context(stack: Stack, sizes: Sizes, tpw: float) -> list[dict[s
                 max_tokens=64,
                 stream=False,
             )
-            from bench.agents import words
-
             await agent.new_session(words(rng, _words_for(size, tpw)))
             before = stack.proxy.cpu_seconds()
             t0 = time.perf_counter()
             first = await agent.turn()
-            prime_cpu = stack.proxy.cpu_seconds() - before
-            prime_wall = time.perf_counter() - t0
-            calls = []
-            before = stack.proxy.cpu_seconds()
-            for _ in range(sizes.context_turns):
-                agent.observe()
-                calls.append(await agent.turn())
-            cpu = stack.proxy.cpu_seconds() - before
-            info = await _session_info(http, stack.proxy.url, agent.trial_id)
             rows.append(
                 {
                     "context_tokens": first.prompt_tokens,
-                    "final_tokens": calls[-1].prompt_tokens + calls[-1].completion_tokens,
-                    "turns": len(calls),
-                    "request_bytes": len(_body_size(agent)),
-                    "cpu_ms_per_turn": cpu / len(calls) * 1e3,
-                    "p50_ms": median([c.seconds for c in calls]) * 1e3,
-                    "first_turn_cpu_ms": prime_cpu * 1e3,
-                    "first_turn_ms": prime_wall * 1e3,
-                    "continued": info.get("continued", 0),
+                    "first_turn_cpu_ms": (stack.proxy.cpu_seconds() - before) * 1e3,
+                    "first_turn_ms": (time.perf_counter() - t0) * 1e3,
                 }
             )
-            r = rows[-1]
+            agents.append(agent)
+        calls: list[list[Call]] = [[] for _ in agents]
+        cpu = [0.0 for _ in agents]
+        for _ in range(sizes.context_turns):
+            for i, agent in enumerate(agents):
+                agent.observe()
+                before = stack.proxy.cpu_seconds()
+                calls[i].append(await agent.turn())
+                cpu[i] += stack.proxy.cpu_seconds() - before
+        for i, agent in enumerate(agents):
+            info = await _session_info(http, stack.proxy.url, agent.trial_id)
+            rows[i] |= {
+                "final_tokens": calls[i][-1].prompt_tokens + calls[i][-1].completion_tokens,
+                "turns": len(calls[i]),
+                "request_bytes": len(_body_size(agent)),
+                "cpu_ms_per_turn": cpu[i] / len(calls[i]) * 1e3,
+                "p50_ms": median([c.seconds for c in calls[i]]) * 1e3,
+                "continued": info.get("continued", 0),
+            }
+            r = rows[i]
             print(
                 f"  context {r['context_tokens']:>7d} tokens: {r['cpu_ms_per_turn']:.2f} ms CPU/turn, "
                 f"p50 {r['p50_ms']:.2f} ms, first turn {r['first_turn_ms']:.0f} ms",
