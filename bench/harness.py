@@ -186,15 +186,21 @@ async def section_latency(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     return rows
 
 
+async def _proxy_load(proxy: Proc, **load: Any) -> tuple[LoadResult, float]:
+    """``run_load`` against ``proxy``, and the CPU seconds the proxy spent meanwhile."""
+    before = proxy.cpu_seconds()
+    result = await run_load(Target("proxy", proxy.url), **load)
+    return result, proxy.cpu_seconds() - before
+
+
 async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     """Streams at an engine's pace (each token its own frame, as a GPU produces them):
     proxy CPU per streamed token, and how long the first token takes from the worker's
     engine handing it on to the agent reading it."""
     rows: list[dict[str, Any]] = []
     for concurrency in sizes.stream_concurrencies:
-        before = stack.proxy.cpu_seconds()
-        result = await run_load(
-            Target("proxy", stack.proxy.url),
+        result, cpu = await _proxy_load(
+            stack.proxy,
             concurrency=concurrency,
             total_turns=sizes.stream_turns_at[concurrency],
             turns_per_session=sizes.turns_per_session,
@@ -202,7 +208,6 @@ async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
             max_tokens=sizes.stream_reply_tokens,
             model=PACED_MODEL,
         )
-        cpu = stack.proxy.cpu_seconds() - before
         tokens = sum(c.completion_tokens for c in result.calls)
         lags = await _first_token_lags(stack.proxy.url, result.calls)
         row: dict[str, Any] = {
@@ -290,16 +295,14 @@ async def section_inmemory(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     assert stack.volatile is not None
     rows: list[dict[str, Any]] = []
     for concurrency in sizes.concurrencies[:2]:
-        before = stack.volatile.cpu_seconds()
-        result = await run_load(
-            Target("proxy", stack.volatile.url),
+        result, cpu = await _proxy_load(
+            stack.volatile,
             concurrency=concurrency,
             total_turns=sizes.turns_at[concurrency],
             turns_per_session=sizes.turns_per_session,
             stream=False,
             max_tokens=64,
         )
-        cpu = stack.volatile.cpu_seconds() - before
         row = _summary(result) | {
             "concurrency": concurrency,
             "server_cpu_ms_per_turn": cpu / max(len(result.calls), 1) * 1e3,
