@@ -70,9 +70,12 @@ class MessageIn(_Lenient):
             raise BadRequestError(
                 f"messages.{index}: a tool message needs tool_call_id", code="invalid_message"
             )
-        calls = tuple(
-            ToolCall(c.id, c.function.name, str(c.function.arguments))
-            for c in self.tool_calls or ()
+        calls = (
+            tuple(
+                ToolCall(c.id, c.function.name, str(c.function.arguments)) for c in self.tool_calls
+            )
+            if self.tool_calls
+            else ()
         )
         if calls and self.role != "assistant":
             raise BadRequestError(
