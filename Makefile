@@ -21,11 +21,13 @@ check: lint typecheck
 test: setup check
 	$(BIN)/pytest -q tests
 
-# The Harbor launcher tests against a real `harbor view` (Harbor 0.24.0 on Python >= 3.12 in
-# its own environment; ~9 min and 0.4 GB once). `make test` skips them without it.
+# The Harbor launcher tests, and an agent run through it end to end, against a real
+# `harbor view` (Harbor 0.24.0 on Python >= 3.12 in its own environment; ~9 min and
+# 0.4 GB once). `make test` skips them without it.
 test-harbor: setup
 	./scripts/harbor-env.sh
-	$(BIN)/pytest -q tests/sdk/taskserver/test_harbor.py
+	$(BIN)/pytest -q tests/sdk/taskserver/test_harbor.py \
+		tests/e2e/test_task_server.py::test_agent_run_through_harbor_is_recorded
 
 # vLLM's request/output translation against vLLM's real types, in a side environment
 # (vLLM pins other transformers versions and cannot share .venv). ~2 min and 1.8 GB once.
