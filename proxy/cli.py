@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -343,6 +344,12 @@ async def _run_proxy(config: ProxyConfig) -> None:
     from proxy.embedded import start_proxy
 
     running = await start_proxy(config)
+    # Everything alive now (modules, the app, the sessions restored from the store) lives
+    # as long as the process or is freed by reference counting: frozen, it is no longer
+    # rescanned by every full garbage collection, whose pause grows with what it scans.
+    # Only here, in a process of our own: an embedded proxy leaves its host's collector be.
+    gc.collect()
+    gc.freeze()
     print(f"rollout-relay proxy listening on {running.url}", flush=True)
     print(f"  workers connect to {running.worker_url}", flush=True)
     terminate = asyncio.Event()

@@ -132,3 +132,16 @@ def test_summary_counts_tokens() -> None:
     assert summary["turns"] == 2
     assert summary["branches"] == 1
     assert summary["tokens"] == {"sampled": 3, "context": 3, "stored": 6}
+
+
+def test_turns_are_not_tracked_by_the_cyclic_garbage_collector() -> None:
+    """A proxy holds millions of turns: a full collection must not have to scan them
+    (each turn's own metadata dict is not shared with any other turn either)."""
+    import gc
+
+    session = Session(TrialId("t"), "k")
+    node = _add(session, None, [1, 2], [3], b"k1")
+    other = _add(session, 0, [4], [5], b"k2")
+    assert not gc.is_tracked(node)
+    assert not gc.is_tracked(node.meta)
+    assert node.meta.extra is not other.meta.extra
