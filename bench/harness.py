@@ -317,10 +317,6 @@ async def section_inmemory(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     return rows
 
 
-async def _prime(agent: Agent, system: str) -> None:
-    await agent.new_session(system)
-
-
 async def section_context(stack: Stack, sizes: Sizes, tpw: float) -> list[dict[str, Any]]:
     """Proxy CPU per turn when the session already holds 1k / 32k / 128k tokens.
 

@@ -82,9 +82,17 @@ def _f(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+RunKey = tuple[str, int, bool]
+
+
+def _runs(rows: list[dict[str, Any]]) -> dict[RunKey, dict[str, Any]]:
+    """The latency section's rows by (target, concurrency, streaming)."""
+    return {(r["target"], r["concurrency"], r["stream"]): r for r in rows}
+
+
 def latency_table(rows: list[dict[str, Any]]) -> str:
     """One line per (concurrency, streaming); added = target minus direct."""
-    by = {(r["target"], r["concurrency"], r["stream"]): r for r in rows}
+    by = _runs(rows)
     lines = [
         "| concurrency | mode | direct p50 / p99 (ms) | proxy p50 / p99 (ms) | **proxy added p50 / p99** | LiteLLM p50 / p99 (ms) | LiteLLM added p50 / p99 | ratio (added p50) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -179,7 +187,7 @@ def stream_table(rows: list[dict[str, Any]]) -> str:
 
 def inmemory_table(latency: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     """Durable (the latency section's non-streamed runs) next to in memory."""
-    by = {(r["target"], r["concurrency"], r["stream"]): r for r in latency}
+    by = _runs(latency)
     lines = [
         "| concurrency | added p50, durable (ms) | added p50, in memory (ms) | turns/s durable / in memory | proxy CPU ms/turn durable / in memory |",
         "|---:|---:|---:|---:|---:|",
@@ -232,7 +240,7 @@ def _verdict(ok: bool | None) -> str:
 def targets_table(results: dict[str, Any]) -> str:
     """Each target of the performance goals, the figure measured here, met or missed."""
     rows: list[tuple[str, str, str, bool | None]] = []
-    by = {(r["target"], r["concurrency"], r["stream"]): r for r in results.get("latency", [])}
+    by = _runs(results.get("latency", []))
 
     def added(target: str, c: int, stream: bool, key: str = "p50_ms") -> float | None:
         mine, direct = by.get((target, c, stream)), by.get(("direct", c, stream))

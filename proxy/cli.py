@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-loop",
         choices=["asyncio", "uvloop"],
         default="uvloop",
-        help="uvloop (default) measured ~15%% less proxy CPU per turn than asyncio's own loop "
+        help="uvloop (default) measured ~12%% less proxy CPU per turn than asyncio's own loop "
         "(bench/RESULTS.md)",
     )
 
