@@ -29,6 +29,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -404,18 +405,38 @@ def _imprint(model: Any, tokenizer: Any, rng: random.Random, steps: int) -> None
 
 def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> Path:
     """Write the tiny model to ``out_dir`` (replacing it atomically) and return the path."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    out_dir = Path(out_dir)
     rng = random.Random(seed)
     tokenizer = _train_tokenizer(rng)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = LlamaConfig(
+    model = random_model(
         vocab_size=len(tokenizer),
         hidden_size=64,
-        intermediate_size=192,
+        eos_ids=[end, pad],
+        pad_id=pad,
+        seed=seed,
+        train=(lambda m: _imprint(m, tokenizer, rng, IMPRINT_STEPS)) if imprint else None,
+    )
+    return save_atomically(out_dir, model, tokenizer)
+
+
+def random_model(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    eos_ids: list[int],
+    pad_id: int,
+    seed: int,
+    train: Callable[[Any], None] | None = None,
+) -> Any:
+    """A two-layer ``LlamaForCausalLM`` with seeded random weights (then ``train``-ed)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -423,22 +444,27 @@ def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> P
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
         bos_token_id=None,
-        eos_token_id=end,
-        pad_token_id=pad,
+        eos_token_id=eos_ids[0],
+        pad_token_id=pad_id,
     )
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reductions on every machine
     try:
         model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
-        if imprint:
-            _imprint(model, tokenizer, rng, IMPRINT_STEPS)
+        if train is not None:
+            train(model)
     finally:
         torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        eos_token_id=[end, pad], pad_token_id=pad, bos_token_id=None
+        eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None
     )
+    return model
 
+
+def save_atomically(out_dir: Path, model: Any, tokenizer: Any) -> Path:
+    """Save a model and its tokenizer to ``out_dir``, replacing it whole or not at all."""
+    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:

@@ -5,7 +5,9 @@ by storing them: a session keeps one 16-byte digest per turn instead of every tu
 message list. The canonical form keeps what a chat template renders (role, text, tool
 calls with their arguments as canonical JSON, the tool-call id a tool result answers)
 and drops what clients rewrite freely (``null`` vs ``""`` content, whitespace inside
-argument JSON, key order, tool-call ids on assistant messages).
+argument JSON, key order, tool-call ids on assistant messages). An assistant message's
+reasoning is outside the hash too: agents send it back or drop it as they please, and
+the sampled reasoning is in the session's token ids either way.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None  # an assistant message's reasoning, as the agent sent it
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as Hugging Face chat templates expect it."""
+    def template_dict(self, *, string_arguments: bool = False) -> dict[str, Any]:
+        """The message as Hugging Face chat templates expect it. Tool-call arguments are
+        a mapping, or their JSON text for templates that concatenate them
+        (``string_arguments``). Reasoning goes under both names templates read it from
+        (``reasoning_content``: Qwen3, GLM; ``thinking``: gpt-oss)."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content,
@@ -47,10 +53,17 @@ class ChatMessage:
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.name, "arguments": _arguments_object(c.arguments)},
+                    "function": {
+                        "name": c.name,
+                        "arguments": c.arguments
+                        if string_arguments
+                        else _arguments_object(c.arguments),
+                    },
                 }
                 for c in self.tool_calls
             ]
+        if self.reasoning:
+            out["reasoning_content"] = out["thinking"] = self.reasoning
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:

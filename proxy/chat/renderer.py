@@ -5,18 +5,18 @@ Rendering is done by the model's own chat template through transformers'
 rule that keeps sampled tokens verbatim across turns:
 
 * A new branch is rendered in full: ``template(messages, tools) + generation prompt``.
-* A continuation is ``previous context ids + sampled ids + bridge + delta`` where
-
-  - *bridge* is whatever the template writes after an assistant message's content
-    (``<|im_end|>\\n`` for ChatML) minus the stop token the model already sampled, and
-  - *delta* is the rendering of the new messages alone, obtained by rendering them after
-    a fixed two-message probe conversation and cutting the probe's rendering off.
+* A continuation is ``previous context ids + sampled ids + the text after them``: what
+  the template writes after the returned assistant message's content (its close, minus
+  the end-of-turn token the model already sampled), the new messages and the generation
+  prompt. That text comes from rendering a short probe conversation that ends in the
+  returned message, anchored on its content (``proxy.chat.continuation``).
 
 History is never re-rendered or re-tokenized, so the cost of a turn is proportional to
-its new tokens, not to the context. The probe trick needs a template that is prefix-stable
-after an assistant message (rendering more messages only appends text). That is checked
-for every continuation; when it does not hold the request is rendered in full as a new
-branch instead, and the turn says so.
+its new tokens, not to the context. The anchor needs a template that does not rewrite an
+earlier assistant message's close when messages are appended (what it does *before* the
+content, such as dropping old reasoning, does not matter). That is checked for every
+continuation; when it does not hold the request is rendered in full as a new branch
+instead, and the turn says so.
 """
 
 from __future__ import annotations
@@ -24,25 +24,26 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from proxy.chat.continuation import (
+    SENTINEL,
+    NotPrefixStableError,
+    Split,
+    split_after_anchor,
+    text_after_completion,
+)
 from proxy.chat.messages import ChatMessage, Tool
 from proxy.exceptions import TemplateError
 from proxy.toolcalls import ParsedOutput, ToolCallParser, detect_parser, get_parser
 
 log = logging.getLogger(__name__)
 
-_PROBE: list[dict[str, Any]] = [
-    {"role": "user", "content": "probe"},
-    {"role": "assistant", "content": "probe"},
-]
-_SENTINEL = "\u2063rollout-relay-sentinel\u2063"
+__all__ = ["ChatRenderer", "NotPrefixStableError"]
 
-
-class NotPrefixStableError(Exception):
-    """The template rewrote earlier text when new messages were appended."""
+_PROBE_USER: dict[str, Any] = {"role": "user", "content": "probe"}
+_PROBE_CALL = {"id": "call_probe", "type": "function", "function": {"name": "probe"}}
 
 
 class ChatRenderer:
@@ -60,9 +61,18 @@ class ChatRenderer:
             tool_parser or detect_parser(tokenizer.chat_template)
         )
         self.stop_token_ids: tuple[int, ...] = self._find_stop_ids()
-        self._probe_text = self._apply(_PROBE, add_generation_prompt=False)
-        # bridge() per final token: None when the completion did not end on a stop token.
-        self._bridges: dict[int | None, list[int]] = {}
+        # The texts of the tokenizer's special tokens: end-of-turn markers among them.
+        self._specials: tuple[str, ...] = tuple(
+            t.content
+            for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+            if getattr(t, "special", False)
+        )
+        self._stop_texts = {i: tokenizer.decode([i]) for i in self.stop_token_ids}
+        # A template that cannot render a one-message conversation is refused at once.
+        self._apply([_PROBE_USER], add_generation_prompt=True)
+        # Some templates concatenate tool-call arguments as text (DeepSeek), most render
+        # a mapping: which one is found once, by rendering a call both ways.
+        self.string_arguments = self._wants_string_arguments()
 
     @classmethod
     def from_directory(cls, path: str | Path, *, tool_parser: str | None = None) -> ChatRenderer:
@@ -88,17 +98,27 @@ class ChatRenderer:
             raise TemplateError("the tokenizer declares no end-of-sequence token")
         return tuple(ids)
 
-    @cached_property
-    def assistant_close(self) -> str:
-        """The text the template writes after an assistant message's content."""
-        text = self._apply(
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}],
-            add_generation_prompt=False,
-        )
-        at = text.rfind(_SENTINEL)
-        if at < 0:
-            raise TemplateError("the chat template does not render assistant content verbatim")
-        return text[at + len(_SENTINEL) :]
+    def _wants_string_arguments(self) -> bool:
+        def call(arguments: Any) -> list[dict[str, Any]]:
+            function = {"name": "probe", "arguments": arguments}
+            return [
+                _PROBE_USER,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{**_PROBE_CALL, "function": function}],
+                },
+            ]
+
+        try:
+            self._apply(call({"a": 1}), add_generation_prompt=False)
+        except TemplateError:
+            try:
+                self._apply(call('{"a": 1}'), add_generation_prompt=False)
+            except TemplateError:
+                return False
+            return True
+        return False
 
     # ------------------------------------------------------------------ rendering
 
@@ -131,41 +151,65 @@ class ChatRenderer:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
+    def _dict(self, message: ChatMessage) -> dict[str, Any]:
+        return message.template_dict(string_arguments=self.string_arguments)
+
     def render_conversation(
         self, messages: Sequence[ChatMessage], tools: Sequence[Tool]
     ) -> list[int]:
         """A full rendering, with the generation prompt (a new branch's prompt)."""
         text = self._apply(
-            [m.template_dict() for m in messages],
+            [self._dict(m) for m in messages],
             tools=[t.template_dict() for t in tools],
             add_generation_prompt=True,
         )
         return self.encode(text)
 
-    def render_continuation(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The ids of ``messages`` appended after an assistant turn, with the generation
-        prompt. Raises NotPrefixStableError when the template cannot be cut this way."""
-        text = self._apply(
-            [*_PROBE, *(m.template_dict() for m in messages)], add_generation_prompt=True
-        )
-        if not text.startswith(self._probe_text):
-            raise NotPrefixStableError("template output changed before the new messages")
-        return self.encode(text[len(self._probe_text) :])
-
-    def bridge(self, completion_ids: Sequence[int]) -> list[int]:
-        """Context tokens between a sampled completion and the next message: the
-        template's close of an assistant message, minus the stop token already sampled."""
+    def render_continuation(
+        self,
+        returned: ChatMessage,
+        completion_ids: Sequence[int],
+        messages: Sequence[ChatMessage],
+    ) -> list[int]:
+        """The ids that follow a sampled completion when ``messages`` are appended after
+        the assistant message it ``returned``: the rest of the template's close, the new
+        messages and the generation prompt. Raises NotPrefixStableError when the template
+        cannot be cut this way."""
+        split = self._split(returned, messages, in_arguments=False)
+        if split is None and returned.tool_calls:
+            split = self._split(returned, messages, in_arguments=True)
+        if split is None:
+            raise NotPrefixStableError("the template does not render the returned message")
         last = completion_ids[-1] if completion_ids else None
-        key = last if last in self.stop_token_ids else None
-        ids = self._bridges.get(key)
-        if ids is None:
-            close = self.assistant_close
-            if key is not None:
-                stop_text = self.tokenizer.decode([key])
-                if close.startswith(stop_text):
-                    close = close[len(stop_text) :]
-            ids = self._bridges[key] = self.encode(close) if close else []
-        return list(ids)
+        final = self._stop_texts.get(last) if last is not None else None
+        return self.encode(text_after_completion(split, final))
+
+    def _split(
+        self, returned: ChatMessage, messages: Sequence[ChatMessage], *, in_arguments: bool
+    ) -> Split | None:
+        """Render the anchor alone and followed by ``messages``; None when the template
+        does not show the sentinel where it was put."""
+        anchor = self._dict(returned)
+        anchor.pop("reasoning_content", None)
+        anchor.pop("thinking", None)
+        if in_arguments:
+            calls = [dict(c) for c in anchor["tool_calls"]]
+            arguments = {"anchor": SENTINEL}
+            calls[-1]["function"] = {
+                **calls[-1]["function"],
+                "arguments": json.dumps(arguments) if self.string_arguments else arguments,
+            }
+            anchor["tool_calls"] = calls
+        else:
+            anchor["content"] = SENTINEL
+        head = [_PROBE_USER, anchor]
+        alone = self._apply(head, add_generation_prompt=False)
+        if SENTINEL not in alone:
+            return None
+        followed = self._apply(
+            [*head, *(self._dict(m) for m in messages)], add_generation_prompt=True
+        )
+        return split_after_anchor(alone, followed, self._specials)
 
     # ------------------------------------------------------------------ decoding
 

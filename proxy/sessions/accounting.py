@@ -27,11 +27,12 @@ def plan_turn(
     if found is not None:
         parent, covered = found
         try:
-            delta = renderer.render_continuation(messages[covered:])
+            context = renderer.render_continuation(
+                messages[covered - 1], session.nodes[parent].completion_ids, messages[covered:]
+            )
         except NotPrefixStableError:
             reason = "template_not_prefix_stable"
         else:
-            context = renderer.bridge(session.nodes[parent].completion_ids) + delta
             prompt = session.context_ids(parent)
             prompt.extend(context)
             return PromptPlan(parent, context, prompt, keys[-1], "continued")

@@ -20,16 +20,18 @@ def renderer(tiny_model_dir: Path) -> ChatRenderer:
     return ChatRenderer.from_directory(tiny_model_dir)
 
 
+CLOSE = "<|im_end|>\n"  # the tiny template's end of an assistant turn
+
+
 def _assistant_ids(renderer: ChatRenderer, message: ChatMessage) -> list[int]:
     """The ids a model would have sampled to produce ``message``: content + stop token."""
     user = {"role": "user", "content": "x"}
     text = renderer._apply([user, message.template_dict()], add_generation_prompt=False)
     body = text[len(renderer._apply([user], add_generation_prompt=True)) :]
-    close = renderer.assistant_close
     stop = renderer.stop_token_ids[0]
-    assert body.endswith(close)
-    assert close.startswith(renderer.tokenizer.decode([stop]))
-    return [*renderer.encode(body[: len(body) - len(close)]), stop]
+    assert body.endswith(CLOSE)
+    assert CLOSE.startswith(renderer.tokenizer.decode([stop]))
+    return [*renderer.encode(body[: len(body) - len(CLOSE)]), stop]
 
 
 @pytest.mark.parametrize(
@@ -52,20 +54,21 @@ def test_continuation_equals_full_rendering(
     reply = ChatMessage("assistant", "Sure.", (ToolCall("c1", "bash", '{"command": "ls"}'),))
     prompt = renderer.render_conversation(head, TOOLS)
     sampled = _assistant_ids(renderer, reply)
-    continued = prompt + sampled + renderer.bridge(sampled) + renderer.render_continuation(tail)
+    continued = prompt + sampled + renderer.render_continuation(reply, sampled, tail)
     assert continued == renderer.render_conversation([*head, reply, *tail], TOOLS)
 
 
-def test_bridge_after_truncation_closes_the_turn(renderer: ChatRenderer) -> None:
-    """Without a sampled stop token the bridge supplies the template's whole close."""
+def test_a_truncated_reply_is_closed_before_the_next_message(renderer: ChatRenderer) -> None:
+    """Without a sampled stop token the continuation starts with the template's whole
+    close; after one, with the rest of the close only."""
+    tail = [ChatMessage("user", "go on")]
+    reply = ChatMessage("assistant", "half a sent")
     truncated = renderer.encode("half a sent")
-    bridge = renderer.tokenizer.decode(renderer.bridge(truncated))
-    assert bridge == renderer.assistant_close
+    opened = renderer.tokenizer.decode(renderer.render_continuation(reply, truncated, tail))
+    assert opened == CLOSE + "<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
     stopped = [*truncated, renderer.stop_token_ids[0]]
-    full_close = renderer.tokenizer.decode(
-        [renderer.stop_token_ids[0]]
-    ) + renderer.tokenizer.decode(renderer.bridge(stopped))
-    assert full_close == renderer.assistant_close
+    rest = renderer.tokenizer.decode(renderer.render_continuation(reply, stopped, tail))
+    assert "<|im_end|>" + rest == opened
 
 
 def test_completion_text_drops_only_a_final_stop_token(renderer: ChatRenderer) -> None:
@@ -94,6 +97,9 @@ def test_template_errors_are_typed(renderer: ChatRenderer) -> None:
         eos_token_id = 0
         name_or_path = ""
 
+        def decode(self, ids: object) -> str:
+            return ""
+
         def apply_chat_template(self, *args: object, **kwargs: object) -> str:
             raise RuntimeError("template exploded")
 
@@ -102,19 +108,25 @@ def test_template_errors_are_typed(renderer: ChatRenderer) -> None:
 
 
 def test_non_prefix_stable_template_is_detected(tiny_model_dir: Path) -> None:
-    """A template that rewrites earlier turns is refused for delta rendering."""
+    """A template that rewrites the close of an earlier assistant turn is refused for delta
+    rendering; one that rewrites only what precedes its content is not."""
     renderer = ChatRenderer.from_directory(tiny_model_dir)
+    reply = ChatMessage("assistant", "sure")
+    sampled = renderer.encode("sure")
     renderer.tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
         "{% if loop.last %}[last]{% endif %}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    renderer._probe_text = renderer._apply(
-        [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "probe"}],
-        add_generation_prompt=False,
-    )
     with pytest.raises(NotPrefixStableError):
-        renderer.render_continuation([ChatMessage("user", "next")])
+        renderer.render_continuation(reply, sampled, [ChatMessage("user", "next")])
+    renderer.tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}"
+        "{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    added = renderer.render_continuation(reply, sampled, [ChatMessage("user", "next")])
+    assert renderer.tokenizer.decode(added) == "\n[last]user:next\nassistant:"
 
 
 @pytest.mark.parametrize(
