@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
+from proxy.chat.reasoning import Piece, ReasoningPiece, ReasoningSplitter
 from proxy.chat.stops import StopMatcher
 from proxy.exceptions import (
     ContextLengthError,
@@ -81,11 +82,19 @@ class TurnResult:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None  # which stop string ended the generation
+    reasoning: str = ""  # the reasoning the model wrote before its answer
 
 
 @dataclass(slots=True, frozen=True)
 class TextDelta:
     """Content text the client may be shown now."""
+
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningDelta:
+    """Reasoning text the client may be shown now."""
 
     text: str
 
@@ -103,7 +112,7 @@ class TurnDone:
     result: TurnResult
 
 
-TurnEvent = TextDelta | ToolCallReady | TurnDone
+TurnEvent = TextDelta | ReasoningDelta | ToolCallReady | TurnDone
 
 
 @dataclass(slots=True)
@@ -248,6 +257,7 @@ class TurnService:
         incremental = incremental or bool(request.stop)
         detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
         parser = self._parser(prepared)
+        splitter = self._splitter(prepared)
         stopper = StopMatcher(request.stop)
         logprobs: list[float] = []
         calls: list[ToolCall] = []
@@ -264,7 +274,8 @@ class TurnService:
                             detok.add(event.token_ids)
                             continue
                         text = stopper.feed(detok.push(event.token_ids))
-                        for out in self._parsed(parser.feed(text) if text else [], calls):
+                        pieces = splitter.feed(text) if text else []
+                        for out in self._parsed(parser, pieces, calls):
                             shown = True
                             yield out
                         if stopper.hit is not None:
@@ -282,6 +293,7 @@ class TurnService:
                             )
                         detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
                         parser = self._parser(prepared)
+                        splitter = self._splitter(prepared)
                         stopper = StopMatcher(request.stop)
                         logprobs.clear()
                     elif isinstance(event, ResumedEvent):
@@ -313,10 +325,12 @@ class TurnService:
         if finished is None:
             raise UpstreamError("the worker stream ended without finishing")
         tail = "" if stopper.hit is not None else stopper.feed(detok.flush()) + stopper.flush()
-        events, parsed = _finish_with(parser, tail)
+        pieces = (splitter.feed(tail) if tail else []) + splitter.finish()
         # The generation is over: record it whole before the last events go out, so an
         # agent that leaves while they are written loses nothing that was sampled.
-        last = list(self._parsed(events, calls))
+        last = list(self._parsed(parser, pieces, calls))
+        events, parsed = parser.finish()
+        last.extend(self._parsed_events(events, calls))
         result = self._record(
             prepared,
             detok.ids,
@@ -326,6 +340,7 @@ class TurnService:
             truncated=False,
             streamed=calls,
             stop_sequence=stopper.hit,
+            reasoning="".join(splitter.reasoning),
         )
         # Durable before the agent is answered: TurnDone is what writes the reply's end
         # (the whole body, or the stream's final events).
@@ -352,7 +367,27 @@ class TurnService:
         return parser.stream(_tool_schemas(prepared.request.tools))
 
     @staticmethod
-    def _parsed(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
+    def _splitter(prepared: PreparedTurn) -> ReasoningSplitter:
+        """Reasoning is separated on the chat APIs of a template that has it (a raw prompt
+        gets its text as sampled)."""
+        renderer = prepared.served.renderer
+        if prepared.request.prompt_ids is not None or not renderer.reasons:
+            return ReasoningSplitter(enabled=False)
+        return ReasoningSplitter(in_reasoning=renderer.opens_reasoning(prepared.plan.prompt_ids))
+
+    @classmethod
+    def _parsed(
+        cls, parser: ToolCallStream, pieces: list[Piece], calls: list[ToolCall]
+    ) -> Iterator[TurnEvent]:
+        """Reasoning pieces as they are; answer pieces through the tool-call parser."""
+        for piece in pieces:
+            if isinstance(piece, ReasoningPiece):
+                yield ReasoningDelta(piece.text)
+            else:
+                yield from cls._parsed_events(parser.feed(piece.text), calls)
+
+    @staticmethod
+    def _parsed_events(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
         for event in events:
             if isinstance(event, ContentDelta):
                 if event.text:
@@ -373,10 +408,15 @@ class TurnService:
         truncated: bool,
         streamed: Sequence[ToolCall] = (),
         stop_sequence: str | None = None,
+        reasoning: str | None = None,
     ) -> TurnResult:
         session, plan, renderer = prepared.session, prepared.plan, prepared.served.renderer
         if parsed is None:
-            parsed = renderer.parse(renderer.completion_text(ids), prepared.request.tools)
+            splitter = self._splitter(prepared)
+            splitter.feed(renderer.completion_text(ids))
+            splitter.finish()
+            reasoning = "".join(splitter.reasoning)
+            parsed = renderer.parse("".join(splitter.answer), prepared.request.tools)
         # Tool calls keep the ids a streaming client already saw; malformed output has none.
         tool_calls = tuple(
             streamed[i] if i < len(streamed) else ToolCall(_call_id(), c.name, c.arguments)
@@ -445,6 +485,7 @@ class TurnService:
             prompt_tokens=len(plan.prompt_ids),
             completion_tokens=len(ids),
             stop_sequence=stop_sequence,
+            reasoning=reasoning or "",
         )
 
 
@@ -464,12 +505,6 @@ def _call_id() -> str:
 
 def _tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
     return [t.template_dict() for t in tools] if tools else None
-
-
-def _finish_with(parser: ToolCallStream, tail: str) -> tuple[list[StreamEvent], ParsedOutput]:
-    events = parser.feed(tail) if tail else []
-    more, parsed = parser.finish()
-    return events + more, parsed
 
 
 def _large(messages: Sequence[ChatMessage]) -> bool:

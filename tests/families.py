@@ -33,7 +33,7 @@ Call = tuple[str, dict[str, Any]]
 
 def _hermes(content: str, calls: list[Call]) -> str:
     blocks = [
-        '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args))
+        "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
         for name, args in calls
     ]
     return "\n".join([content, *blocks] if content else blocks)

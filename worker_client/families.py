@@ -68,7 +68,7 @@ class Family:
                 f"family {self.name}: the package {source['package']!r} that ships its "
                 "vocabulary is not installed"
             )
-        path = Path(next(iter(found.submodule_search_locations))) / source["file"]
+        path = Path(str(next(iter(found.submodule_search_locations)))) / str(source["file"])
         if not path.is_file():
             raise FamilyError(f"family {self.name}: {path} does not exist")
         return path

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.chat import reasoning
 from proxy.chat.continuation import (
     SENTINEL,
     NotPrefixStableError,
@@ -68,6 +69,9 @@ class ChatRenderer:
             if getattr(t, "special", False)
         )
         self._stop_texts = {i: tokenizer.decode([i]) for i in self.stop_token_ids}
+        # Think-tag reasoning (Qwen3, DeepSeek, GLM): the template knows the tags.
+        template = str(tokenizer.chat_template)
+        self.reasons = reasoning.OPEN in template and reasoning.CLOSE in template
         # A template that cannot render a one-message conversation is refused at once.
         self._apply([_PROBE_USER], add_generation_prompt=True)
         # Some templates concatenate tool-call arguments as text (DeepSeek), most render
@@ -220,6 +224,14 @@ class ChatRenderer:
             ids.pop()
         text: str = self.tokenizer.decode(ids, skip_special_tokens=False)
         return text
+
+    def opens_reasoning(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt's generation prompt leaves a think block open (the reply
+        then starts inside its reasoning)."""
+        if not self.reasons:
+            return False
+        tail: str = self.tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
+        return reasoning.opens_reasoning(tail)
 
     def parse(self, text: str, tools: Sequence[Tool]) -> ParsedOutput:
         schema = [t.template_dict() for t in tools] if tools else None

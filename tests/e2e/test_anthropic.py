@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,7 @@ from anthropic import Anthropic, AsyncAnthropic
 from transformers import AutoTokenizer
 
 from proxy.api.anthropic.models import MessagesRequest
-from proxy.api.anthropic.routes import content_blocks
+from proxy.api.anthropic.routes import content_blocks, signature_check
 from proxy.appkeys import POOL, SERVICE
 from proxy.chat.messages import ChatMessage, ToolCall, extend_key
 from proxy.embedded import RunningProxy
@@ -79,8 +80,13 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
+# What content_blocks reads of a session: the key its thinking blocks are signed with.
+SESSION: Any = SimpleNamespace(api_key="key", trial_id="trial")
+
+
 def _internal(messages: list[dict[str, Any]]) -> list[ChatMessage]:
-    return MessagesRequest.model_validate({"model": "m", "messages": messages}).internal_messages()
+    request = MessagesRequest.model_validate({"model": "m", "messages": messages})
+    return request.internal_messages(signature_check(SESSION))
 
 
 def test_returned_blocks_translate_back_to_the_recorded_message() -> None:
@@ -100,20 +106,22 @@ def test_returned_blocks_translate_back_to_the_recorded_message() -> None:
         completion_tokens=1,
     )
     recorded = extend_key(b"", ChatMessage("assistant", result.content, calls))
-    tool_uses = [b for b in content_blocks(result) if b["type"] == "tool_use"]
+    tool_uses = [b for b in content_blocks(result, SESSION) if b["type"] == "tool_use"]
     streamed = [
         {"type": "text", "text": "Let me look."},
         *tool_uses,
         {"type": "text", "text": "\nThen read."},
     ]
-    for blocks in (content_blocks(result), streamed):
+    for blocks in (content_blocks(result, SESSION), streamed):
         wire = json.loads(json.dumps(blocks))
         (assistant,) = _internal([{"role": "assistant", "content": wire}])
         assert extend_key(b"", assistant) == recorded
         assert [c.id for c in assistant.tool_calls] == ["call_1", "call_2"]
     calls_only = TurnResult(None, "m", "", calls, "stop", 1, 1)  # type: ignore[arg-type]
-    assert [b["type"] for b in content_blocks(calls_only)] == ["tool_use", "tool_use"]
-    (assistant,) = _internal([{"role": "assistant", "content": content_blocks(calls_only)}])
+    assert [b["type"] for b in content_blocks(calls_only, SESSION)] == ["tool_use", "tool_use"]
+    (assistant,) = _internal(
+        [{"role": "assistant", "content": content_blocks(calls_only, SESSION)}]
+    )
     assert extend_key(b"", assistant) == extend_key(b"", ChatMessage("assistant", "", calls))
 
 

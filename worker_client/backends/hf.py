@@ -17,6 +17,7 @@ directory. Design points:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
@@ -65,6 +66,7 @@ class HFEngine:
         self._caches: OrderedDict[int, _CacheEntry] = OrderedDict()
         self._cache_ids = 0
         self._lock = asyncio.Lock()
+        self._cache_argument: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hf-{name}")
         self._aborted: set[str] = set()
         self._running: set[str] = set()
@@ -113,6 +115,15 @@ class HFEngine:
 
     # ------------------------------------------------------------------ torch (executor)
 
+    def _run(self, chunk: Any, cache: Any) -> Any:
+        """One forward pass on top of ``cache``. transformers renamed the argument from
+        ``past_key_values`` to ``cache`` (5.24, the old name deprecated): the model's own
+        signature says which one it takes."""
+        if self._cache_argument is None:
+            names = inspect.signature(self.model.forward).parameters
+            self._cache_argument = "cache" if "cache" in names else "past_key_values"
+        return self.model(input_ids=chunk, use_cache=True, **{self._cache_argument: cache})
+
     def _forward(self, ids: Sequence[int], cache: Any) -> Any:
         """Run ``ids`` through the model on top of ``cache``; return the last logits."""
         import torch
@@ -121,7 +132,7 @@ class HFEngine:
         with torch.inference_mode():
             for start in range(0, len(ids), self.prefill_chunk):
                 chunk = torch.tensor([list(ids[start : start + self.prefill_chunk])])
-                out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True)
+                out = self._run(chunk, cache)
                 logits = out.logits[0, -1].float()
         return logits
 
@@ -266,9 +277,7 @@ class HFEngine:
             for start in range(0, len(ids) - 1, self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(ids) - 1)
                 chunk = torch.tensor([ids[start:end]])
-                logits = self.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[
-                    0
-                ]
+                logits = self._run(chunk, cache).logits[0]
                 if end <= first:
                     continue
                 lo = max(first, start)

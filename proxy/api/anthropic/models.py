@@ -13,8 +13,11 @@ exactly the assistant message it recorded (otherwise the session would branch):
 * An assistant message's text blocks are concatenated with no separator (they are pieces
   of one sampled reply: a streamed reply can carry text after its ``tool_use`` blocks),
   and its ``tool_use`` blocks become tool calls with ``json.dumps(input)`` arguments.
-* ``thinking`` / ``redacted_thinking`` blocks are dropped (the proxy never returns any);
-  ``is_error`` on a tool result is ignored (agents say so in the result's text).
+* An assistant message's ``thinking`` block is its reasoning: it must carry its text and
+  the ``signature`` the proxy gave it (checked by the caller's ``signed``), else 400.
+  ``redacted_thinking`` blocks are dropped (the proxy never returns any), and so are
+  thinking blocks in user messages or system prompts. ``is_error`` on a tool result is
+  ignored (agents say so in the result's text).
   Images, documents and every other block type are refused with a 400.
 * Tools with a ``type`` other than ``custom`` are Anthropic server tools
   (``web_search_20250305``, ...) that a chat template cannot run: they are skipped.
@@ -23,6 +26,7 @@ exactly the assistant message it recorded (otherwise the session would branch):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +58,13 @@ class ContentBlock(_Lenient):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    # thinking
+    thinking: str | None = None
+    signature: str | None = None
+
+
+# (thinking text, signature) -> whether the proxy signed it for this trial
+SignatureCheck = Callable[[str, str], bool]
 
 
 class MessageIn(_Lenient):
@@ -129,14 +140,32 @@ def _user_messages(content: str | list[ContentBlock], where: str) -> list[ChatMe
     return results
 
 
-def _assistant_message(content: str | list[ContentBlock], where: str) -> ChatMessage:
+def _thinking_of(block: ContentBlock, at: str, signed: SignatureCheck) -> str:
+    if not block.thinking:
+        raise BadRequestError(
+            f"{at}: a thinking block needs its thinking text", code="invalid_request"
+        )
+    if not block.signature or not signed(block.thinking, block.signature):
+        raise BadRequestError(
+            f"{at}: the thinking block's signature is not one this proxy gave",
+            code="invalid_signature",
+        )
+    return block.thinking
+
+
+def _assistant_message(
+    content: str | list[ContentBlock], where: str, signed: SignatureCheck
+) -> ChatMessage:
     if isinstance(content, str):
         return ChatMessage(role="assistant", content=content)
     texts: list[str] = []
     calls: list[ToolCall] = []
+    thoughts: list[str] = []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
-        if block.type == "text":
+        if block.type == "thinking":
+            thoughts.append(_thinking_of(block, at, signed))
+        elif block.type == "text":
             texts.append(_text_of(block, at))
         elif block.type == "tool_use":
             if not block.id or not block.name:
@@ -149,9 +178,14 @@ def _assistant_message(content: str | list[ContentBlock], where: str) -> ChatMes
             raise BadRequestError(
                 f"{at}: tool_result blocks belong in user messages", code="invalid_message"
             )
-        elif block.type not in _DROPPED_BLOCKS:
+        elif block.type != "redacted_thinking":
             raise _unsupported(at, block.type)
-    return ChatMessage(role="assistant", content="".join(texts), tool_calls=tuple(calls))
+    return ChatMessage(
+        role="assistant",
+        content="".join(texts),
+        tool_calls=tuple(calls),
+        reasoning="".join(thoughts) or None,
+    )
 
 
 class ConversationRequest(_Lenient):
@@ -163,7 +197,8 @@ class ConversationRequest(_Lenient):
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
 
-    def internal_messages(self) -> list[ChatMessage]:
+    def internal_messages(self, signed: SignatureCheck) -> list[ChatMessage]:
+        """The conversation; ``signed`` checks the signatures of thinking blocks."""
         out: list[ChatMessage] = []
         if self.system is not None:
             system = _joined_text(self.system, "system")
@@ -174,7 +209,7 @@ class ConversationRequest(_Lenient):
             if message.role == "user":
                 out.extend(_user_messages(message.content, where))
             elif message.role == "assistant":
-                out.append(_assistant_message(message.content, where))
+                out.append(_assistant_message(message.content, where, signed))
             else:
                 out.append(ChatMessage(role="system", content=_joined_text(message.content, where)))
         return out

@@ -19,7 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from proxy.api.anthropic.errors import anthropic_error, error_body
-from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest
+from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest, SignatureCheck
+from proxy.api.anthropic.thinking import sign_thinking, thinking_signed
 from proxy.api.errors import json_response, parse_json, register_error_format
 from proxy.api.sse import EventStream
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
@@ -29,6 +30,7 @@ from proxy.ids import new_id
 from proxy.models import ServedModel
 from proxy.service import (
     PreparedTurn,
+    ReasoningDelta,
     TextDelta,
     ToolCallReady,
     TurnEvent,
@@ -57,10 +59,12 @@ def tool_input(call: ToolCall) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(result: TurnResult) -> list[dict[str, Any]]:
+def content_blocks(result: TurnResult, session: Session) -> list[dict[str, Any]]:
     """The reply as content blocks. Sent back in the next request, they translate to
     exactly the assistant message the session recorded, so the session continues."""
     blocks: list[dict[str, Any]] = []
+    if result.reasoning:
+        blocks.append(thinking_block(session, result.reasoning))
     if result.content:
         blocks.append({"type": "text", "text": result.content})
     blocks.extend(
@@ -68,6 +72,17 @@ def content_blocks(result: TurnResult) -> list[dict[str, Any]]:
         for c in result.tool_calls
     )
     return blocks
+
+
+def thinking_block(session: Session, thinking: str) -> dict[str, Any]:
+    signature = sign_thinking(session.api_key, session.trial_id, thinking)
+    return {"type": "thinking", "thinking": thinking, "signature": signature}
+
+
+def signature_check(session: Session) -> SignatureCheck:
+    return lambda text, signature: thinking_signed(
+        session.api_key, session.trial_id, text, signature
+    )
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
@@ -78,13 +93,13 @@ def message_id() -> str:
     return new_id("msg")
 
 
-def message_body(result: TurnResult) -> dict[str, Any]:
+def message_body(result: TurnResult, session: Session) -> dict[str, Any]:
     return {
         "id": message_id(),
         "type": "message",
         "role": "assistant",
         "model": result.model,
-        "content": content_blocks(result),
+        "content": content_blocks(result, session),
         "stop_reason": stop_reason(result),
         "stop_sequence": result.stop_sequence,
         "usage": usage(result.prompt_tokens, result.completion_tokens),
@@ -102,7 +117,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     turn = TurnRequest(
         api="anthropic.messages",
         requested_model=parsed.model,
-        messages=parsed.internal_messages(),
+        messages=parsed.internal_messages(signature_check(session)),
         tools=parsed.internal_tools(),
         sampling=parsed.sampling(),
         stop=parsed.stop_strings(),
@@ -110,7 +125,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     )
     service = request.app[SERVICE]
     if not parsed.stream:
-        return json_response(message_body(await service.run_turn(session, turn)))
+        return json_response(message_body(await service.run_turn(session, turn), session))
     # Started before the stream opens: every client error is still a proper HTTP error.
     prepared = await service.start(session, turn)
     async with service.streaming(prepared) as events:
@@ -120,15 +135,54 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 class _BlockWriter:
     """Content-block events of one streamed message, numbering the blocks."""
 
-    def __init__(self, stream: EventStream) -> None:
+    def __init__(self, stream: EventStream, session: Session) -> None:
         self.stream = stream
+        self.session = session
         self.index = 0
         self.text_open = False
+        self.thinking: list[str] | None = None  # the open thinking block's text so far
 
     async def send(self, payload: dict[str, Any]) -> None:
         await self.stream.send(payload, event=str(payload["type"]))
 
+    async def think(self, text: str) -> None:
+        if self.thinking is None:
+            await self.close_text()
+            await self.send(
+                {
+                    "type": "content_block_start",
+                    "index": self.index,
+                    "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+                }
+            )
+            self.thinking = []
+        self.thinking.append(text)
+        await self.send(
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "thinking_delta", "thinking": text},
+            }
+        )
+
+    async def close_thinking(self) -> None:
+        """The signature covers the whole block, so it goes out when the block ends."""
+        if self.thinking is None:
+            return
+        signed = thinking_block(self.session, "".join(self.thinking))["signature"]
+        await self.send(
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "signature_delta", "signature": signed},
+            }
+        )
+        await self.send({"type": "content_block_stop", "index": self.index})
+        self.index += 1
+        self.thinking = None
+
     async def text(self, text: str) -> None:
+        await self.close_thinking()
         if not self.text_open:
             await self.send(
                 {
@@ -153,6 +207,7 @@ class _BlockWriter:
             self.text_open = False
 
     async def tool_use(self, call: ToolCall) -> None:
+        await self.close_thinking()
         await self.close_text()
         await self.send(
             {
@@ -185,7 +240,7 @@ async def stream_message(
     input_tokens = len(prepared.plan.prompt_ids)
     try:
         stream = await EventStream.open(request)
-        writer = _BlockWriter(stream)
+        writer = _BlockWriter(stream, prepared.session)
         await writer.send(
             {
                 "type": "message_start",
@@ -204,10 +259,13 @@ async def stream_message(
         async for event in events:
             if isinstance(event, TextDelta):
                 await writer.text(event.text)
+            elif isinstance(event, ReasoningDelta):
+                await writer.think(event.text)
             elif isinstance(event, ToolCallReady):
                 await writer.tool_use(event.call)
             else:
                 result = event.result
+                await writer.close_thinking()
                 await writer.close_text()
                 await writer.send(
                     {
@@ -249,7 +307,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     prompt can differ by a few tokens."""
     session = _session(request)
     parsed = parse_json(CountTokensRequest, await request.read())
-    messages = parsed.internal_messages()
+    messages = parsed.internal_messages(signature_check(session))
     tools = parsed.internal_tools()
     parsed.tool_choice_name()  # validated like a real request
     renderer = (await _served_model(request, session, parsed.model)).renderer

@@ -52,6 +52,9 @@ class MessageIn(_Lenient):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant message's reasoning, under either name servers use for it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def to_internal(self, index: int) -> ChatMessage:
         if isinstance(self.content, list):
@@ -82,12 +85,19 @@ class MessageIn(_Lenient):
                 f"messages.{index}: only assistant messages carry tool_calls",
                 code="invalid_message",
             )
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning and self.role != "assistant":
+            raise BadRequestError(
+                f"messages.{index}: only assistant messages carry reasoning",
+                code="invalid_message",
+            )
         return ChatMessage(
             role=self.role,
             content=content,
             tool_calls=calls,
             tool_call_id=self.tool_call_id,
             name=self.name,
+            reasoning=reasoning or None,
         )
 
 

@@ -18,7 +18,7 @@ from proxy.appkeys import POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
-from proxy.service import TextDelta, ToolCallReady, TurnRequest, TurnResult
+from proxy.service import ReasoningDelta, TextDelta, ToolCallReady, TurnRequest, TurnResult
 
 
 def finish_reason(result: TurnResult) -> str:
@@ -36,6 +36,9 @@ def choice_body(result: TurnResult, index: int, logprobs: dict[str, Any] | None)
         "role": "assistant",
         "content": result.content if (result.content or not result.tool_calls) else None,
     }
+    if result.reasoning:
+        # Both names clients read reasoning from (vLLM and DeepSeek; OpenRouter).
+        message["reasoning_content"] = message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -145,6 +148,9 @@ async def stream_chat_completion(
         async for index, event in events:
             if isinstance(event, TextDelta):
                 await stream.send(chunk(index, {"content": event.text}))
+            elif isinstance(event, ReasoningDelta):
+                text = event.text
+                await stream.send(chunk(index, {"reasoning_content": text, "reasoning": text}))
             elif isinstance(event, ToolCallReady):
                 call = event.call
                 await stream.send(

@@ -2,8 +2,9 @@
 internal message model (validated at the boundary only).
 
 Only what a chat template can render is accepted. Input items are messages,
-``function_call``, ``function_call_output`` and ``reasoning`` (dropped: the model
-renders no reasoning). Tools are function tools, also inside a ``namespace`` entry; other
+``function_call``, ``function_call_output`` and ``reasoning`` (its text becomes the
+reasoning of the assistant reply that follows it; a reasoning item with no readable text,
+such as one carrying only ``encrypted_content`` from another server, adds nothing). Tools are function tools, also inside a ``namespace`` entry; other
 tool types (``web_search``, ``file_search``, ``custom``, ``local_shell``, ...) are hosted
 or grammar-driven tools a chat template cannot render, so they are left out of the
 prompt. Responses are not stored: ``previous_response_id`` is refused and the agent sends
@@ -83,8 +84,19 @@ class FunctionCallOutputItem(_Lenient):
     output: str | list[ContentPart]
 
 
+class ReasoningText(_Lenient):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
 class ReasoningItem(_Lenient):
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary or []
+        return "".join(p.text for p in parts)
 
 
 class OtherItem(_Lenient):
@@ -126,9 +138,12 @@ def internal_messages(instructions: str | None, items: str | list[InputItem]) ->
         messages.append(ChatMessage(role="user", content=items))
         return messages
     calls_join = False  # the last message is an assistant reply that calls may extend
+    reasoning: str | None = None  # a reasoning item's text, for the reply that follows
     for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, ReasoningItem):
+            reasoning = (reasoning or "") + item.text() or None
+            calls_join = False
             continue
         if isinstance(item, OtherItem):
             raise BadRequestError(
@@ -137,17 +152,27 @@ def internal_messages(instructions: str | None, items: str | list[InputItem]) ->
             )
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role=role, content=_text(item.content, where)))
+            thought = reasoning if role == "assistant" else None
+            messages.append(
+                ChatMessage(role=role, content=_text(item.content, where), reasoning=thought)
+            )
             calls_join = role == "assistant"
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(item.call_id, flat_tool_name(item.namespace, item.name), item.arguments)
             if calls_join:
                 last = messages[-1]
                 messages[-1] = ChatMessage(
-                    role="assistant", content=last.content, tool_calls=(*last.tool_calls, call)
+                    role="assistant",
+                    content=last.content,
+                    tool_calls=(*last.tool_calls, call),
+                    reasoning=last.reasoning,
                 )
             else:
-                messages.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
+                messages.append(
+                    ChatMessage(
+                        role="assistant", content="", tool_calls=(call,), reasoning=reasoning
+                    )
+                )
             calls_join = True
         else:
             messages.append(
@@ -158,6 +183,7 @@ def internal_messages(instructions: str | None, items: str | list[InputItem]) ->
                 )
             )
             calls_join = False
+        reasoning = None
     if not messages:
         raise BadRequestError("input has no messages", code="invalid_request")
     return messages

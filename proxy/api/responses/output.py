@@ -1,7 +1,8 @@
 """The response object and the stream's event sequence, built without I/O.
 
-A reply is at most one assistant message item followed by one ``function_call`` item per
-tool call: exactly what ``models.internal_messages`` turns back into the assistant
+A reply is an optional ``reasoning`` item (the model's reasoning, as ``reasoning_text``
+content), at most one assistant message item, then one ``function_call`` item per tool
+call: exactly what ``models.internal_messages`` turns back into the assistant
 message the session recorded, so an agent that sends its output items back continues the
 same trajectory. The message item is present whenever there is text or no tool call at
 all (an empty reply is an empty message, and sent back it still matches the record).
@@ -69,6 +70,22 @@ def usage_body(result: TurnResult) -> dict[str, Any]:
     }
 
 
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """``text`` None: the item as first announced."""
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "status": status,
+        "summary": [],
+        "content": [] if text is None else [reasoning_part(text)],
+        "encrypted_content": None,
+    }
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -108,6 +125,8 @@ def has_message(result: TurnResult) -> bool:
 def output_items(result: TurnResult, echo: ResponseEcho) -> list[dict[str, Any]]:
     status, _ = status_of(result)
     items: list[dict[str, Any]] = []
+    if result.reasoning:
+        items.append(reasoning_item(new_id("rs"), result.reasoning, status))
     if has_message(result):
         items.append(message_item(new_id("msg"), result.content, status))
     items.extend(function_call_item(new_id("fc"), c, echo) for c in result.tool_calls)
@@ -188,6 +207,8 @@ class ResponseStream:
         self._output: list[dict[str, Any]] = []  # finished items, in output order
         self._message_id: str | None = None  # the open message item
         self._text: list[str] = []
+        self._reasoning_id: str | None = None  # the open reasoning item
+        self._reasoning: list[str] = []
 
     def __repr__(self) -> str:
         return f"<ResponseStream {self.head.id} {self.phase.value} items={len(self._output)}>"
@@ -210,9 +231,53 @@ class ResponseStream:
             self._event("response.in_progress", response=snapshot),
         ]
 
+    def reasoning(self, delta: str) -> list[Event]:
+        self._require(StreamPhase.STREAMING)
+        events: list[Event] = []
+        if self._reasoning_id is None:
+            self._reasoning_id = new_id("rs")
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=len(self._output),
+                    item=reasoning_item(self._reasoning_id, None, "in_progress"),
+                )
+            )
+        self._reasoning.append(delta)
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._reasoning_id,
+                output_index=len(self._output),
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def _close_reasoning(self, status: str = "completed") -> list[Event]:
+        if self._reasoning_id is None:
+            return []
+        item_id, index, text = self._reasoning_id, len(self._output), "".join(self._reasoning)
+        done_item = reasoning_item(item_id, text, status)
+        self._output.append(done_item)
+        self._reasoning_id = None
+        return [
+            self._event(
+                "response.reasoning_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=text,
+            ),
+            self._event("response.output_item.done", output_index=index, item=done_item),
+        ]
+
     def text(self, delta: str) -> list[Event]:
         self._require(StreamPhase.STREAMING)
-        events = [] if self._message_id is not None else self._open_message()
+        events = self._close_reasoning()
+        if self._message_id is None:
+            events.extend(self._open_message())
         assert self._message_id is not None
         self._text.append(delta)
         events.append(
@@ -249,7 +314,7 @@ class ResponseStream:
         """The rest of the reply, then ``response.completed`` or ``response.incomplete``."""
         self._require(StreamPhase.STREAMING)
         status, _ = status_of(result)
-        events: list[Event] = []
+        events: list[Event] = self._close_reasoning()
         if self._message_id is None and has_message(result):
             events.extend(self._open_message())  # an empty reply is an empty message
         if self._message_id is not None:

@@ -26,7 +26,7 @@ from proxy.api.sse import EventStream
 from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
-from proxy.service import TextDelta, TurnDone, TurnEvent, TurnRequest
+from proxy.service import ReasoningDelta, TextDelta, TurnDone, TurnEvent, TurnRequest
 
 
 def _echo(parsed: ResponsesRequest) -> ResponseEcho:
@@ -100,6 +100,8 @@ async def stream_response(
         async for event in events:
             if isinstance(event, TextDelta):
                 await send(writer.text(event.text))
+            elif isinstance(event, ReasoningDelta):
+                await send(writer.reasoning(event.text))
             elif isinstance(event, TurnDone):
                 await send(writer.finish(event.result))
             # ToolCallReady: the calls are sent from the result (see ``output``).

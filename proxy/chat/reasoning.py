@@ -1,0 +1,150 @@
+"""Separating a model's reasoning from its answer, as text streams in.
+
+Reasoning models of the think-tag families (Qwen3, DeepSeek-R1/V3.1, GLM-4.5) write
+``<think>reasoning</think>answer``. Some generation prompts already open the block
+(DeepSeek-R1's ends in ``<think>\\n``), so the sampled text starts inside the reasoning;
+whether it does is read from the prompt's end (``opens_reasoning``).
+
+Rules:
+
+* Reasoning is recognised only at the start of the reply: ``<think>`` after nothing but
+  whitespace, or from the first character when the prompt opened the block. A ``<think>``
+  later in the answer is answer text.
+* The reasoning is the text between the tags, without the newlines that frame it; the
+  answer is what follows ``</think>``, without the newlines that separate it.
+* A reply that ends inside the block (cut short) is all reasoning and no answer.
+* Text that may still become a tag is held back until it is known not to be one, so the
+  streamed pieces add up to the final values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+OPEN = "<think>"
+CLOSE = "</think>"
+
+
+class _State(Enum):
+    START = "start"  # nothing but whitespace seen yet
+    REASONING = "reasoning"
+    SEPARATOR = "separator"  # after </think>, dropping the newlines before the answer
+    ANSWER = "answer"
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningPiece:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class AnswerPiece:
+    text: str
+
+
+Piece = ReasoningPiece | AnswerPiece
+
+
+def opens_reasoning(prompt_tail: str) -> bool:
+    """Whether a prompt ending in ``prompt_tail`` leaves a think block open."""
+    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningSplitter:
+    """One reply's text in, reasoning and answer pieces out."""
+
+    __slots__ = ("_buffer", "_lead", "_state", "answer", "reasoning")
+
+    def __init__(self, *, in_reasoning: bool = False, enabled: bool = True) -> None:
+        """``enabled=False``: a model without reasoning, every piece is answer."""
+        self._state = (
+            _State.ANSWER if not enabled else _State.REASONING if in_reasoning else _State.START
+        )
+        self._buffer = ""
+        self._lead = in_reasoning  # newlines right after the open tag are dropped
+        self.reasoning: list[str] = []
+        self.answer: list[str] = []
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._drain(final=True)
+
+    def _emit(self, pieces: list[Piece], piece: Piece) -> None:
+        if piece.text:
+            (self.reasoning if isinstance(piece, ReasoningPiece) else self.answer).append(
+                piece.text
+            )
+            pieces.append(piece)
+
+    def _drain(self, *, final: bool) -> list[Piece]:
+        pieces: list[Piece] = []
+        while self._buffer:
+            buffer = self._buffer
+            if self._state is _State.START:
+                stripped = buffer.lstrip()
+                if stripped.startswith(OPEN):
+                    self._buffer = stripped[len(OPEN) :]
+                    self._state, self._lead = _State.REASONING, True
+                    continue
+                if OPEN.startswith(stripped) and not final:
+                    break  # whitespace or a partial tag: wait
+                self._state = _State.ANSWER
+                continue
+            if self._state is _State.REASONING:
+                if self._lead:
+                    stripped = buffer.lstrip("\n")
+                    if not stripped and not final:
+                        self._buffer = ""
+                        break
+                    buffer, self._lead = stripped, False
+                at = buffer.find(CLOSE)
+                if at >= 0:
+                    self._emit(pieces, ReasoningPiece(buffer[:at].rstrip("\n")))
+                    self._buffer = buffer[at + len(CLOSE) :]
+                    self._state = _State.SEPARATOR
+                    continue
+                keep = 0 if final else max(_held(buffer, CLOSE), _trailing_newlines(buffer))
+                self._emit(pieces, ReasoningPiece(buffer[: len(buffer) - keep]))
+                self._buffer = buffer[len(buffer) - keep :]
+                if final:
+                    self._buffer = ""
+                    if pieces and isinstance(pieces[-1], ReasoningPiece):
+                        # A reply cut inside the block: drop the framing newlines.
+                        last = pieces.pop()
+                        self.reasoning.pop()
+                        self._emit(pieces, ReasoningPiece(last.text.rstrip("\n")))
+                break
+            if self._state is _State.SEPARATOR:
+                stripped = buffer.lstrip("\n")
+                if not stripped:
+                    self._buffer = ""
+                    break
+                self._buffer, self._state = stripped, _State.ANSWER
+                continue
+            self._emit(pieces, AnswerPiece(buffer))
+            self._buffer = ""
+        return pieces
+
+
+def _trailing_newlines(text: str) -> int:
+    return len(text) - len(text.rstrip("\n"))
+
+
+def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of a whole reply."""
+    splitter = ReasoningSplitter(in_reasoning=in_reasoning)
+    splitter.feed(text)
+    splitter.finish()
+    return "".join(splitter.reasoning), "".join(splitter.answer)

@@ -1,0 +1,50 @@
+"""A scripted policy: an engine that samples the tokens of scripted replies, scored by a
+real model.
+
+Tests that need a model to reason and call tools in its family's native markup (the tiny
+random models rarely do) serve this engine through a real worker: the proxy, the relay
+and the worker are the real ones, the *choice* of tokens is scripted, and every token's
+logprob is the tiny model's own raw logprob given the exact prompt the worker received,
+so fidelity re-scoring of the recorded trajectories is a real check.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+
+from worker_client.backends.hf import HFEngine
+from worker_client.engine import FinishReason, ModelCard, SamplingParams, TokenChunk
+
+
+class ScriptedEngine:
+    def __init__(self, scorer: HFEngine, tokenizer: object) -> None:
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.replies: deque[str] = deque()
+        self.prompts: list[list[int]] = []
+
+    @property
+    def card(self) -> ModelCard:
+        return self.scorer.card
+
+    def script(self, *replies: str) -> None:
+        self.replies.extend(replies)
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncGenerator[TokenChunk, None]:
+        text = self.replies.popleft()
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+        self.prompts.append(list(prompt_ids))
+        logprobs = self.scorer.score(prompt_ids, ids)
+        for at in range(0, len(ids) - 3, 3):  # streamed in small chunks, as an engine does
+            yield TokenChunk(ids[at : at + 3], logprobs[at : at + 3])
+        tail = (len(ids) - 1) // 3 * 3 if len(ids) > 3 else 0
+        yield TokenChunk(ids[tail:], logprobs[tail:], FinishReason.STOP)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self.scorer.close()
