@@ -115,7 +115,10 @@ class ReasoningSplitter:
                     self._buffer = buffer[at + len(CLOSE) :]
                     self._state = _State.SEPARATOR
                     continue
-                keep = 0 if final else max(_held(buffer, CLOSE), _trailing_newlines(buffer))
+                keep = 0
+                if not final:  # a partial close tag, and the newlines before it
+                    tag = _held(buffer, CLOSE)
+                    keep = tag + _trailing_newlines(buffer[: len(buffer) - tag])
                 self._emit(pieces, ReasoningPiece(buffer[: len(buffer) - keep]))
                 self._buffer = buffer[len(buffer) - keep :]
                 if final:

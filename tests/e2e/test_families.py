@@ -1,0 +1,302 @@
+"""Real model families end to end: a proxy, real workers serving each family's tiny model
+through a scripted policy, and the official clients of every agent API running a
+reasoning, tool-using episode. Each episode must be one chain of continued turns with the
+sampled ids verbatim in later contexts, reasoning returned in the API's own form (and sent
+back or not), and a trajectory that re-scores by teacher forcing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from anthropic import AsyncAnthropic
+from openai import AsyncOpenAI
+from transformers import AutoTokenizer
+
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_proxy
+from sdk.client import ProxyClient
+from sdk.fidelity import check_fidelity
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.families import FAMILIES, family_model
+from tests.scripted_policy import ScriptedEngine
+from worker_client.backends.hf import HFEngine
+from worker_client.client import ServedModel, WorkerClient
+
+# The families whose tool calls the proxy parses today (the others continue their chains
+# too: see tests/proxy/chat/test_families.py).
+E2E_FAMILIES = ["qwen3", "qwen3_coder", "qwen25"]
+
+TOOLS = [
+    ("bash", "Run a command", {"type": "object", "properties": {"command": {"type": "string"}}}),
+    ("read_file", "Read a file", {"type": "object", "properties": {"path": {"type": "string"}}}),
+]
+SCRIPT = [
+    ("I should list the files first.", "", [("bash", {"command": "ls"})]),
+    ("Now read it.", "Reading main.py.", [("read_file", {"path": "main.py"})]),
+    ("That answers it.", "main.py prints hi.", []),
+]
+TOOL_OUTPUTS = ["main.py\nREADME.md", "print('hi')"]
+
+
+@pytest.fixture(scope="module")
+async def family_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[RunningProxy, dict[str, ScriptedEngine]]]:
+    running = await start_proxy(
+        ProxyConfig(port=0, max_tokens=256, cache_dir=tmp_path_factory.mktemp("families"))
+    )
+    engines: dict[str, ScriptedEngine] = {}
+    for name in E2E_FAMILIES:
+        directory = family_model(name)
+        scorer = HFEngine.load(directory, name=name)
+        engine = ScriptedEngine(scorer, AutoTokenizer.from_pretrained(str(directory)))
+        engines[name] = engine
+        client = WorkerClient(
+            running.worker_url, {name: ServedModel(engine, directory)}, worker_id=f"w-{name}"
+        )
+        running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    await running.wait_for_workers(len(E2E_FAMILIES), within_seconds=120 * TIMEOUT_FACTOR)
+    yield running, engines
+    await running.stop()
+
+
+async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bool) -> list[str]:
+    async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
+        tools = [
+            {"type": "function", "function": {"name": n, "description": d, "parameters": p}}
+            for n, d, p in TOOLS
+        ]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "List the files, then read main.py."},
+        ]
+        reasoning: list[str] = []
+        for turn in range(3):
+            if stream:
+                content, thought, calls = "", "", {}
+                async for chunk in await client.chat.completions.create(
+                    model=model, messages=messages, tools=tools, stream=True
+                ):
+                    delta = chunk.choices[0].delta if chunk.choices else None
+                    if delta is None:
+                        continue
+                    content += delta.content or ""
+                    thought += (delta.model_extra or {}).get("reasoning_content") or ""
+                    for call in delta.tool_calls or []:
+                        calls[call.index] = {
+                            "id": call.id,
+                            "type": "function",
+                            "function": call.function.model_dump(),
+                        }
+                tool_calls = [calls[i] for i in sorted(calls)]
+            else:
+                reply = await client.chat.completions.create(
+                    model=model, messages=messages, tools=tools
+                )
+                message = reply.choices[0].message
+                content = message.content or ""
+                thought = (message.model_extra or {}).get("reasoning_content") or ""
+                tool_calls = [c.model_dump() for c in message.tool_calls or []]
+            reasoning.append(thought)
+            assistant: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                assistant["tool_calls"] = tool_calls
+            if send_back and thought:
+                assistant["reasoning_content"] = thought
+            messages.append(assistant)
+            if turn < 2:
+                assert tool_calls, f"turn {turn} returned no tool call"
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": tool_calls[0]["id"],
+                        "content": TOOL_OUTPUTS[turn],
+                    }
+                )
+        return reasoning
+
+
+async def _anthropic(
+    base_url: str, key: str, model: str, stream: bool, send_back: bool
+) -> list[str]:
+    async with AsyncAnthropic(base_url=base_url, api_key=key, max_retries=0) as client:
+        tools = [{"name": n, "description": d, "input_schema": p} for n, d, p in TOOLS]
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "List the files, then read main.py."}
+        ]
+        reasoning: list[str] = []
+        for turn in range(3):
+            kwargs: dict[str, Any] = {
+                "model": model,
+                "max_tokens": 256,
+                "system": "You are a coding agent.",
+                "messages": messages,
+                "tools": tools,
+            }
+            if stream:
+                async with client.messages.stream(**kwargs) as events:
+                    reply = await events.get_final_message()
+            else:
+                reply = await client.messages.create(**kwargs)
+            blocks = [b.model_dump(mode="json", exclude_none=True) for b in reply.content]
+            reasoning.append("".join(b["thinking"] for b in blocks if b["type"] == "thinking"))
+            if not send_back:
+                blocks = [b for b in blocks if b["type"] != "thinking"]
+            messages.append({"role": "assistant", "content": blocks})
+            uses = [b for b in blocks if b["type"] == "tool_use"]
+            if turn < 2:
+                assert uses, f"turn {turn} returned no tool_use"
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": uses[0]["id"],
+                                "content": TOOL_OUTPUTS[turn],
+                            }
+                        ],
+                    }
+                )
+        return reasoning
+
+
+async def _responses(
+    base_url: str, key: str, model: str, stream: bool, send_back: bool
+) -> list[str]:
+    async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
+        tools = [
+            {"type": "function", "name": n, "description": d, "parameters": p} for n, d, p in TOOLS
+        ]
+        items: list[dict[str, Any]] = [
+            {"role": "developer", "content": "You are a coding agent."},
+            {"role": "user", "content": "List the files, then read main.py."},
+        ]
+        reasoning: list[str] = []
+        for turn in range(3):
+            if stream:
+                async with client.responses.stream(model=model, input=items, tools=tools) as events:
+                    reply = await events.get_final_response()
+            else:
+                reply = await client.responses.create(model=model, input=items, tools=tools)
+            output = [item.model_dump(mode="json", exclude_none=True) for item in reply.output]
+            reasoning.append(
+                "".join(
+                    part["text"]
+                    for item in output
+                    if item["type"] == "reasoning"
+                    for part in item.get("content") or []
+                )
+            )
+            if not send_back:
+                output = [item for item in output if item["type"] != "reasoning"]
+            items.extend(output)
+            calls = [item for item in output if item["type"] == "function_call"]
+            if turn < 2:
+                assert calls, f"turn {turn} returned no function call"
+                items.append(
+                    {
+                        "type": "function_call_output",
+                        "call_id": calls[0]["call_id"],
+                        "output": TOOL_OUTPUTS[turn],
+                    }
+                )
+        return reasoning
+
+
+AGENTS = {"chat": _chat, "anthropic": _anthropic, "responses": _responses}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", sorted(AGENTS))
+@pytest.mark.parametrize("family", E2E_FAMILIES)
+async def test_a_reasoning_tool_episode_is_one_chain(
+    family_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+    family: str,
+    api: str,
+    stream: bool,
+) -> None:
+    """Three turns (two tool calls, then an answer) through the official client of each
+    agent API: one trajectory of continued turns, the sampled ids verbatim in the next
+    prompt, reasoning returned as the API's reasoning, and fidelity within 1e-4."""
+    running, engines = family_stack
+    case, engine = FAMILIES[family], engines[family]
+    engine.prompts.clear()
+    engine.script(*(case.sample(r, c, calls) for r, c, calls in SCRIPT))
+    send_back = not stream  # one of each: reasoning sent back, and dropped
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model=family)
+        base = trial.anthropic_base_url if api == "anthropic" else trial.base_url
+        reasoning = await AGENTS[api](base, trial.api_key, family, stream, send_back)
+        export = await proxy.trajectories(trial.trial_id)
+    (trajectory,) = export["trajectories"]
+    reasons = [t["branch_reason"] for t in trajectory["turns"]]
+    assert reasons == ["new_session", "continued", "continued"]
+    expected = [r for r, _, _ in SCRIPT] if case.reasoning else ["", "", ""]
+    assert reasoning == expected
+    prompts = engine.prompts
+    assert len(prompts) == 3
+    for turn in range(2):
+        sampled = engine.tokenizer.encode(case.sample(*SCRIPT[turn]), add_special_tokens=False)
+        assert prompts[turn + 1][: len(prompts[turn]) + len(sampled)] == prompts[turn] + sampled
+    report = check_fidelity(export, engine.scorer.score)
+    assert report.ok(), report
+    assert json.dumps(export)  # the export is plain JSON
+
+
+@pytest.mark.parametrize(
+    ("api", "bad", "code"),
+    [
+        ("anthropic", {"type": "thinking", "thinking": "I plan.", "signature": "forged"}, 400),
+        ("anthropic", {"type": "thinking", "thinking": "", "signature": "x"}, 400),
+        ("anthropic", {"type": "thinking", "signature": "x"}, 400),
+        ("responses", {"type": "reasoning", "content": [{"type": "reasoning_text"}]}, 400),
+        ("responses", {"type": "reasoning", "content": "not a list"}, 400),
+        ("chat", {"role": "user", "content": "hi", "reasoning_content": "not a user's"}, 400),
+    ],
+    ids=["forged-signature", "empty-thinking", "no-thinking", "no-text", "bad-content", "user"],
+)
+async def test_bad_reasoning_input_is_refused_and_changes_nothing(
+    family_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+    api: str,
+    bad: dict[str, Any],
+    code: int,
+) -> None:
+    """Malformed reasoning, a thinking block without text or with a signature the proxy
+    did not give: a 4xx in the API's own error shape, and the session is unchanged."""
+    running, _ = family_stack
+    async with ProxyClient(running.url) as proxy, aiohttp.ClientSession() as http:
+        trial = await proxy.create_session(model="qwen3")
+        before = await proxy.get_session(trial.trial_id)
+        headers = {"Authorization": f"Bearer {trial.api_key}", "x-api-key": trial.api_key}
+        if api == "anthropic":
+            url = f"{trial.anthropic_base_url}/v1/messages"
+            body: dict[str, Any] = {
+                "model": "qwen3",
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [bad, {"type": "text", "text": "ok"}]},
+                    {"role": "user", "content": "go on"},
+                ],
+            }
+        elif api == "responses":
+            url = f"{trial.base_url}/responses"
+            body = {"model": "qwen3", "input": [{"role": "user", "content": "hi"}, bad]}
+        else:
+            url = f"{trial.base_url}/chat/completions"
+            body = {"model": "qwen3", "messages": [bad]}
+        async with http.post(url, json=body, headers=headers) as response:
+            assert response.status == code
+            error = await response.json()
+        if api == "anthropic":
+            assert error["type"] == "error"
+            assert error["error"]["message"]
+        else:
+            assert error["error"]["message"]
+        assert await proxy.get_session(trial.trial_id) == before
