@@ -25,6 +25,7 @@ pytestmark = pytest.mark.e2e
 SESSIONS = int(os.environ.get("RELAY_LOAD_SESSIONS", "500"))
 TURNS = int(os.environ.get("RELAY_LOAD_TURNS", "1"))
 CONCURRENCY = 16
+LONG = 16  # max_tokens of the overload test's turns
 
 
 @pytest.fixture
@@ -45,9 +46,12 @@ async def _session(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def _chat(
-    http: aiohttp.ClientSession, base_url: str, messages: list[dict[str, str]]
+    http: aiohttp.ClientSession,
+    base_url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int = 1,
 ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
-    body = {"model": "m", "messages": messages, "max_tokens": 1, "seed": 1}
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "seed": 1}
     async with http.post(f"{base_url}/chat/completions", json=body) as response:
         return response.status, await response.json(), response.headers
 
@@ -104,13 +108,17 @@ async def test_overload_refuses_with_retry_after_and_stays_fair(
         crowd = [await _session(http, stack.url) for _ in range(24)]
         messages = [{"role": "user", "content": "go"}]
         pool = stack.app[POOL]
-        flood_task = asyncio.gather(*(_chat(http, flood["base_url"], messages) for _ in range(20)))
+        # Turns long enough (up to 16 tokens) that the queue is still full when looked at:
+        # one-token turns drain the whole flood before the first poll.
+        flood_task = asyncio.gather(
+            *(_chat(http, flood["base_url"], messages, LONG) for _ in range(20))
+        )
         await _until(lambda: pool.queued >= tight_limits.max_queued_per_trial)
         # The flooding trial has its full share waiting; a quiet trial still gets in line.
         quiet_task = asyncio.ensure_future(_chat(http, quiet["base_url"], messages))
         # It waits beside the flood, unless the flood's one-token turns already drained.
         await _until(lambda: pool.queued > tight_limits.max_queued_per_trial or quiet_task.done())
-        crowd_task = asyncio.gather(*(_chat(http, c["base_url"], messages) for c in crowd))
+        crowd_task = asyncio.gather(*(_chat(http, c["base_url"], messages, LONG) for c in crowd))
         quiet_status, quiet_body, _ = await quiet_task
         results = await flood_task + await crowd_task
 
