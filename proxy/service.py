@@ -35,7 +35,14 @@ from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
 from proxy.sessions.store import SessionStore
-from proxy.toolcalls import ContentDelta, ParsedOutput, StreamEvent, ToolCallStream, get_parser
+from proxy.toolcalls import (
+    ContentDelta,
+    ParsedOutput,
+    ParsedToolCall,
+    StreamEvent,
+    ToolCallStream,
+    get_parser,
+)
 from relay import protocol
 from relay.exceptions import (
     NoWorkerAvailableError,
@@ -393,7 +400,7 @@ class TurnService:
                 if event.text:
                     yield TextDelta(event.text)
             else:
-                call = ToolCall(_call_id(), event.call.name, event.call.arguments)
+                call = ToolCall(_call_id(event.call, calls), event.call.name, event.call.arguments)
                 calls.append(call)
                 yield ToolCallReady(event.index, call)
 
@@ -418,10 +425,14 @@ class TurnService:
             reasoning = "".join(splitter.reasoning)
             parsed = renderer.parse("".join(splitter.answer), prepared.request.tools)
         # Tool calls keep the ids a streaming client already saw; malformed output has none.
-        tool_calls = tuple(
-            streamed[i] if i < len(streamed) else ToolCall(_call_id(), c.name, c.arguments)
-            for i, c in enumerate(parsed.tool_calls)
-        )
+        made: list[ToolCall] = []
+        for i, c in enumerate(parsed.tool_calls):
+            made.append(
+                streamed[i]
+                if i < len(streamed)
+                else ToolCall(_call_id(c, made), c.name, c.arguments)
+            )
+        tool_calls = tuple(made)
         returned = ChatMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
         choice = prepared.request.tool_choice
         unmet = (choice == "required" and not tool_calls) or (
@@ -499,7 +510,11 @@ def _log_failed_write(future: asyncio.Future[None]) -> None:
         log.error("a truncated turn could not be saved: %s", future.exception())
 
 
-def _call_id() -> str:
+def _call_id(call: ParsedToolCall, earlier: Sequence[ToolCall]) -> str:
+    """The id the model wrote for the call (Kimi-K2), unless an earlier call of the reply
+    has it already; else a fresh one."""
+    if call.id and all(c.id != call.id for c in earlier):
+        return call.id
     return new_id("call")
 
 

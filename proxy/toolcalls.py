@@ -10,6 +10,23 @@ calls. This module recognises that markup, once for a whole completion
 * ``qwen3_coder``: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`` blocks (Qwen3-Coder). Values are text; when the request's
   tools are given, each value is cast to the type its JSON schema declares.
+* ``glm45``: ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...
+  </tool_call>`` blocks (GLM-4.5/4.6). Values are text, cast with the tools' schemas as
+  for ``qwen3_coder``.
+* ``deepseek_v31``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (DeepSeek-V3.1).
+* ``deepseek_v3``: the same section with ``function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+  `` per call (DeepSeek-V3, R1).
+* ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``
+  (Kimi-K2). The model writes its own call id (``functions.NAME:IDX``); it is kept as the
+  call's id, so the agent sends back the id the model saw.
+* ``llama3_json``: a reply that *is* a JSON object ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``) is one call (Llama 3.1/3.2/3.3); any other reply
+  is content.
+* ``mistral``: ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (Mistral Small 3.2, Devstral,
+  Magistral), or ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B
+  v0.3, Nemo).
 * ``none``: no tool calls; everything is content.
 
 The parsing itself is carried by transformers' declarative response parsing
@@ -69,6 +86,7 @@ __all__ = [
 class ParsedToolCall:
     name: str
     arguments: str  # a JSON object as text: json.dumps(args, ensure_ascii=False)
+    id: str | None = None  # the call id the model wrote itself (Kimi-K2), if any
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,10 +175,107 @@ _QWEN3_CODER_SPEC: Final[dict[str, Any]] = {
     },
 }
 
-_QWEN3_PARAMETER_RE: Final = re.compile(_QWEN3_PARAMETER, re.DOTALL)
-# What may remain of a function body once its parameters are taken out: whitespace, plus a
-# `</function>` when the stream ended before `</tool_call>`.
-_QWEN3_RESIDUE_RE: Final = re.compile(r"\s*(?:</function>\s*)?")
+
+# GLM-4.5: one key/value pair; the value is written raw (strings) or as JSON (the rest).
+_GLM_ARGUMENT: Final = r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
+
+_GLM45_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>(?P<name>[^\n<]+?)\s*(?=<arg_key>|</tool_call>)",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {"tag_pattern": _GLM_ARGUMENT},
+            "transform": {
+                "type": "function",
+                "function": {"name": "{name}", "arguments": "{content}"},
+            },
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
+_DEEPSEEK_SECTION: Final = r"\s*(?:<｜tool▁calls▁begin｜>)?\s*<｜tool▁call▁begin｜>"
+
+_DEEPSEEK_V31_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": _DEEPSEEK_SECTION + r"(?P<name>[^<]+?)<｜tool▁sep｜>",
+            "close": "<｜tool▁call▁end｜>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"name": "{name}", "arguments": "{content}"},
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
+_DEEPSEEK_V3_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": _DEEPSEEK_SECTION
+            + r"function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n",
+            "close_pattern": r"\n?```\s*<｜tool▁call▁end｜>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"name": "{name}", "arguments": "{content}"},
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
+_KIMI_K2_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*(?:<\|tool_calls_section_begin\|>)?\s*<\|tool_call_begin\|>"
+            r"\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>",
+            "close": "<|tool_call_end|>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"id": "{id}", "arguments": "{content}"},
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
+_LLAMA3_JSON_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        # Only at the very start of the reply (\A: the parser searches its whole buffer):
+        # a reply that opens with a JSON object is a call; the region runs to the end.
+        "tool_calls": {
+            "open_pattern": r"\A\s*(?:<\|python_tag\|>\s*)?(?=\{)",
+            "content": "json",
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
+_MISTRAL_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        # [TOOL_CALLS]NAME[ARGS]{...}: the arguments run to the next call or the end.
+        "tool_calls": {
+            "open_pattern": r"\s*\[TOOL_CALLS\](?P<name>[^\[\]\s]+)\[ARGS\]",
+            "close_pattern": r"(?=\[TOOL_CALLS\])",
+            "repeats": True,
+            "content": "json",
+            "transform": {"name": "{name}", "arguments": "{content}"},
+        },
+        # [TOOL_CALLS] [{...}, ...]: one JSON list of calls.
+        "tool_call_list": {
+            "open_pattern": r"\s*\[TOOL_CALLS\]\s*(?=\[)",
+            "repeats": True,
+            "content": "json",
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
 
 
 class _Malformed(Exception):
@@ -176,16 +291,21 @@ def _arguments_json(arguments: dict[str, Any]) -> str:
         raise _Malformed("non-finite number in tool-call arguments") from None
 
 
-def _hermes_call(value: Any, body: str) -> ParsedToolCall:
-    """A ``json`` region value → a call. Accepts ``parameters`` for ``arguments``, a JSON
-    string holding the arguments object, and no arguments at all (``{}``)."""
-    del body  # the JSON value says everything
+def _json_call(value: Any, body: str) -> list[ParsedToolCall]:
+    """A ``{"name", "arguments"}`` value → a call. Accepts ``parameters`` for
+    ``arguments``, a JSON string holding the arguments object, and no arguments at all
+    (``{}``)."""
+    del body  # the value says everything
     if not isinstance(value, dict):
         raise _Malformed("tool call is not a JSON object")
     name = value.get("name")
     if not isinstance(name, str) or not name.strip():
         raise _Malformed("tool call has no name")
-    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = _arguments(value.get("arguments", value.get("parameters", {})))
+    return [ParsedToolCall(name.strip(), arguments)]
+
+
+def _arguments(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -193,65 +313,150 @@ def _hermes_call(value: Any, body: str) -> ParsedToolCall:
             raise _Malformed("tool-call arguments are not a JSON object") from None
     if not isinstance(arguments, dict):
         raise _Malformed("tool-call arguments are not a JSON object")
-    return ParsedToolCall(name.strip(), _arguments_json(arguments))
+    return _arguments_json(arguments)
 
 
-def _qwen3_coder_call(value: Any, body: str) -> ParsedToolCall:
+def _json_calls(value: Any, body: str) -> list[ParsedToolCall]:
+    """A JSON list of ``{"name", "arguments"}`` objects → calls (Mistral's list form)."""
+    if not isinstance(value, list) or not value:
+        raise _Malformed("tool-call list is not a non-empty JSON list")
+    return [call for item in value for call in _json_call(item, body)]
+
+
+def _mistral_calls(value: Any, body: str) -> list[ParsedToolCall]:
+    """Either form of Mistral's calls: one ``{"name", "arguments"}`` or a list of them."""
+    return _json_calls(value, body) if isinstance(value, list) else _json_call(value, body)
+
+
+def _kimi_call(value: Any, body: str) -> list[ParsedToolCall]:
+    """``{"id": "functions.NAME:IDX", "arguments": {...}}`` → a call keeping that id."""
+    del body
+    match = _KIMI_ID_RE.fullmatch(value["id"].strip())
+    if match is None:
+        raise _Malformed("tool-call id names no function")
+    call_id = match.group(0)
+    return [ParsedToolCall(match.group("name"), _arguments(value["arguments"]), call_id)]
+
+
+_KIMI_ID_RE: Final = re.compile(r"(?:functions\.)?(?P<name>[^\s:]+)(?::\d+)?")
+
+
+def _tagged_call(
+    argument: str, residue: str, where: str
+) -> Callable[[Any, str], list[ParsedToolCall]]:
     """A transformed ``xml-inline`` region value → a call. ``xml-inline`` skips text it
-    does not recognise, so the raw body is checked to hold nothing but parameters."""
-    function = value.get("function") if isinstance(value, dict) else None
-    if not isinstance(function, dict):
-        raise _Malformed("unknown tool-call structure")
-    name = function.get("name")
-    arguments = function.get("arguments")
-    if not isinstance(name, str) or not name.strip():
-        raise _Malformed("tool call has no name")
-    if not isinstance(arguments, dict):
-        raise _Malformed("unknown tool-call structure")
-    if _QWEN3_RESIDUE_RE.fullmatch(_QWEN3_PARAMETER_RE.sub("", body)) is None:
-        raise _Malformed("unexpected text inside <function=...>")
-    return ParsedToolCall(name.strip(), _arguments_json(arguments))
+    does not recognise, so the raw body is checked to hold nothing but arguments: once
+    every ``argument`` is taken out, only ``residue`` may remain."""
+    argument_re = re.compile(argument, re.DOTALL)
+    residue_re = re.compile(residue)
+
+    def make(value: Any, body: str) -> list[ParsedToolCall]:
+        function = value.get("function") if isinstance(value, dict) else None
+        if not isinstance(function, dict):
+            raise _Malformed("unknown tool-call structure")
+        name = function.get("name")
+        arguments = function.get("arguments")
+        if not isinstance(name, str) or not name.strip():
+            raise _Malformed("tool call has no name")
+        if not isinstance(arguments, dict):
+            raise _Malformed("unknown tool-call structure")
+        if residue_re.fullmatch(argument_re.sub("", body)) is None:
+            raise _Malformed(f"unexpected text inside {where}")
+        return [ParsedToolCall(name.strip(), _arguments_json(arguments))]
+
+    return make
 
 
 @dataclass(slots=True, frozen=True)
 class _Format:
     name: str
     template: ResponseTemplate | None  # None: no tool calls at all
-    make_call: Callable[[Any, str], ParsedToolCall]  # (region value, raw region text)
+    make_call: Callable[[Any, str], list[ParsedToolCall]]  # (region value, raw region text)
     decode_error: str  # reason given when the content parser itself rejects a block
     markers: tuple[str, ...]  # markup that must not survive into content
     casts_with_schema: bool  # hand the tools to ResponseParser for value casting
+    # Markup closing a group of calls (DeepSeek's and Kimi's section end): dropped from
+    # the text after the first call instead of counting as content.
+    trailers: tuple[str, ...] = ()
 
 
-def _no_calls(value: Any, body: str) -> ParsedToolCall:
+def _no_calls(value: Any, body: str) -> list[ParsedToolCall]:
     raise _Malformed("this format has no tool calls")  # unreachable: no template
 
 
+# What may remain of a Qwen3-Coder function body once its parameters are taken out:
+# whitespace, plus a `</function>` when the stream ended before `</tool_call>`.
+_QWEN3_RESIDUE: Final = r"\s*(?:</function>\s*)?"
+
+
+def _format(
+    name: str,
+    spec: dict[str, Any] | None,
+    make_call: Callable[[Any, str], list[ParsedToolCall]],
+    markers: tuple[str, ...],
+    *,
+    decode_error: str = "invalid JSON in tool call",
+    casts_with_schema: bool = False,
+    trailers: tuple[str, ...] = (),
+) -> _Format:
+    template = load_response_template(spec) if spec is not None else None
+    return _Format(name, template, make_call, decode_error, markers, casts_with_schema, trailers)
+
+
+_DEEPSEEK_MARKERS: Final = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>")
+_KIMI_MARKERS: Final = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
 _FORMATS: Final[dict[str, _Format]] = {
-    "hermes": _Format(
-        name="hermes",
-        template=load_response_template(_HERMES_SPEC),
-        make_call=_hermes_call,
-        decode_error="invalid JSON in tool call",
-        markers=("<tool_call>", "</tool_call>"),
-        casts_with_schema=False,  # JSON already carries types; keep what the model wrote
-    ),
-    "qwen3_coder": _Format(
-        name="qwen3_coder",
-        template=load_response_template(_QWEN3_CODER_SPEC),
-        make_call=_qwen3_coder_call,
-        decode_error="unparseable tool call",
-        markers=("<tool_call>", "</tool_call>", "<function="),
-        casts_with_schema=True,
-    ),
-    "none": _Format(
-        name="none",
-        template=None,
-        make_call=_no_calls,
-        decode_error="unparseable tool call",
-        markers=(),
-        casts_with_schema=False,
-    ),
+    fmt.name: fmt
+    for fmt in [
+        # JSON already carries types: keep what the model wrote.
+        _format("hermes", _HERMES_SPEC, _json_call, ("<tool_call>", "</tool_call>")),
+        _format(
+            "qwen3_coder",
+            _QWEN3_CODER_SPEC,
+            _tagged_call(_QWEN3_PARAMETER, _QWEN3_RESIDUE, "<function=...>"),
+            ("<tool_call>", "</tool_call>", "<function="),
+            decode_error="unparseable tool call",
+            casts_with_schema=True,
+        ),
+        _format(
+            "glm45",
+            _GLM45_SPEC,
+            _tagged_call(_GLM_ARGUMENT, r"\s*", "<tool_call>"),
+            ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>"),
+            decode_error="unparseable tool call",
+            casts_with_schema=True,
+        ),
+        _format(
+            "deepseek_v31",
+            _DEEPSEEK_V31_SPEC,
+            _json_call,
+            _DEEPSEEK_MARKERS,
+            trailers=("<｜tool▁calls▁end｜>",),
+        ),
+        _format(
+            "deepseek_v3",
+            _DEEPSEEK_V3_SPEC,
+            _json_call,
+            _DEEPSEEK_MARKERS,
+            trailers=("<｜tool▁calls▁end｜>",),
+        ),
+        _format(
+            "kimi_k2",
+            _KIMI_K2_SPEC,
+            _kimi_call,
+            _KIMI_MARKERS,
+            trailers=("<|tool_calls_section_end|>",),
+        ),
+        _format("llama3_json", _LLAMA3_JSON_SPEC, _json_call, ("<|python_tag|>",)),
+        _format("mistral", _MISTRAL_SPEC, _mistral_calls, ("[TOOL_CALLS]", "[ARGS]")),
+        _format("none", None, _no_calls, (), decode_error="unparseable tool call"),
+    ]
 }
 
 
@@ -373,7 +578,10 @@ class ToolCallStream:
         content = ""
         if self._malformed is None:
             self._gaps.append("".join(self._gap))
-            tail = "\n".join(p for p in (g.strip() for g in self._gaps) if p)
+            gaps = self._gaps
+            for trailer in self._format.trailers:
+                gaps = [g.replace(trailer, "") for g in gaps]
+            tail = "\n".join(p for p in (g.strip() for g in gaps) if p)
             head = raw[: self._emitted]  # before the first call, all sent verbatim
             content = head + "\n" + tail if head and tail else head + tail
             marker = next((m for m in self._format.markers if m in content), None)
@@ -419,12 +627,13 @@ class ToolCallStream:
                 self._body.append(event["text"])
             elif kind == "region_close":
                 try:
-                    call = self._format.make_call(event["value"], "".join(self._body))
+                    calls = self._format.make_call(event["value"], "".join(self._body))
                 except _Malformed as exc:
                     self._fail(exc.reason)
                     return [e for e in out if isinstance(e, ContentDelta)]
-                out.append(ToolCallComplete(len(self._calls), call))
-                self._calls.append(call)
+                for call in calls:
+                    out.append(ToolCallComplete(len(self._calls), call))
+                    self._calls.append(call)
         return out
 
 
@@ -466,11 +675,22 @@ def get_parser(name: str) -> ToolCallParser:
 
 
 def detect_parser(chat_template: str | None) -> str:
-    """Guess the tool-call format a chat template teaches its model."""
+    """Guess the tool-call format a chat template teaches its model, from the markup it
+    writes for the calls in history."""
     if not chat_template:
         return "none"
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
+    if "<arg_key>" in chat_template:
+        return "glm45"
     if "<tool_call>" in chat_template:
         return "hermes"
+    if "<｜tool▁sep｜>" in chat_template:
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if "<|tool_call_begin|>" in chat_template:
+        return "kimi_k2"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<|eom_id|>" in chat_template or "<|python_tag|>" in chat_template:
+        return "llama3_json"
     return "none"

@@ -18,6 +18,7 @@ from proxy.toolcalls import (
     detect_parser,
     get_parser,
 )
+from tests.families import FIXTURES
 
 HERMES = get_parser("hermes")
 QWEN3 = get_parser("qwen3_coder")
@@ -388,6 +389,8 @@ QWEN3_SAMPLES = [
 ]
 
 STREAM_CASES = [(HERMES, t) for t in HERMES_SAMPLES] + [(QWEN3, t) for t in QWEN3_SAMPLES]
+# The other families' formats (their samples are defined with their tests below).
+FAMILY_SAMPLES: dict[str, list[str]] = {}
 STREAM_IDS = [f"{p.name}-{i}" for i, (p, _) in enumerate(STREAM_CASES)]
 
 
@@ -524,7 +527,20 @@ def test_stream_feed_after_finish_raises() -> None:
 # ---------------------------------------------------------------------------- registry
 
 
-@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "none"])
+FORMAT_NAMES = [
+    "hermes",
+    "qwen3_coder",
+    "glm45",
+    "deepseek_v31",
+    "deepseek_v3",
+    "kimi_k2",
+    "llama3_json",
+    "mistral",
+    "none",
+]
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_get_parser_by_name(name: str) -> None:
     """Each supported format name gives a parser with that name."""
     parser = get_parser(name)
@@ -534,8 +550,8 @@ def test_get_parser_by_name(name: str) -> None:
 
 def test_get_parser_unknown_name_raises_typed_error() -> None:
     """An unknown format name raises UnknownToolParserError, a ValueError."""
-    with pytest.raises(UnknownToolParserError, match="mistral") as info:
-        get_parser("mistral")
+    with pytest.raises(UnknownToolParserError, match="pythonic") as info:
+        get_parser("pythonic")
     assert isinstance(info.value, ValueError)
 
 
@@ -571,3 +587,214 @@ LLAMA_TEMPLATE = (
 def test_detect_parser_from_template(template: str | None, expected: str) -> None:
     """The format is picked from the markup the chat template teaches."""
     assert detect_parser(template) == expected
+
+
+def test_detect_parser_on_every_family_fixture() -> None:
+    """Each real family template in the fixtures is recognised as its own format."""
+    expected = {
+        "qwen3": "hermes",
+        "qwen25": "hermes",
+        "qwen3_coder": "qwen3_coder",
+        "glm45": "glm45",
+        "deepseek_v31": "deepseek_v31",
+        "deepseek_r1": "deepseek_v3",
+        "kimi_k2": "kimi_k2",
+        "llama31": "llama3_json",
+    }
+    found = {
+        name: detect_parser((FIXTURES / name / "chat_template.jinja").read_text())
+        for name in expected
+    }
+    assert found == expected
+
+
+def test_detect_parser_mistral_markup() -> None:
+    """A template writing ``[TOOL_CALLS]`` teaches Mistral's format."""
+    template = "{{- '[TOOL_CALLS]' + tool_call.function.name + '[ARGS]' + arguments }}"
+    assert detect_parser(template) == "mistral"
+
+
+# ---------------------------------------------------------------------------- families
+
+GLM = get_parser("glm45")
+DSV31 = get_parser("deepseek_v31")
+DSV3 = get_parser("deepseek_v3")
+KIMI = get_parser("kimi_k2")
+LLAMA = get_parser("llama3_json")
+MISTRAL = get_parser("mistral")
+
+
+def glm_call(name: str, params: dict[str, str]) -> str:
+    pairs = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in params.items()
+    )
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+def deepseek_v31_calls(*calls: tuple[str, dict[str, Any]]) -> str:
+    inner = "".join(
+        f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a)}<｜tool▁call▁end｜>"
+        for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+
+
+def deepseek_v3_calls(*calls: tuple[str, dict[str, Any]]) -> str:
+    inner = "".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a)}\n```"
+        "<｜tool▁call▁end｜>"
+        for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+
+
+def kimi_calls(*calls: tuple[str, str, dict[str, Any]]) -> str:
+    inner = "".join(
+        f"<|tool_call_begin|>{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+        for i, _, a in calls
+    )
+    return f"<|tool_calls_section_begin|>{inner}<|tool_calls_section_end|>"
+
+
+def test_glm_calls_with_content_and_schema_casting() -> None:
+    """GLM key/value pairs become arguments; values are text unless the schema types them."""
+    text = "Let me look.\n" + glm_call("run", {"count": "3", "code": "x = 1\ny = 2"})
+    plain = GLM.parse(text)
+    assert plain.content == "Let me look."
+    assert [(c.name, args(c)) for c in plain.tool_calls] == [
+        ("run", {"count": "3", "code": "x = 1\ny = 2"})
+    ]
+    typed = GLM.parse(text, [RUN_TOOL])
+    assert args(typed.tool_calls[0]) == {"count": 3, "code": "x = 1\ny = 2"}
+
+
+def test_glm_call_without_arguments_and_junk_inside() -> None:
+    """A GLM call with no pairs has ``{}``; anything but pairs inside a block is malformed."""
+    assert GLM.parse("<tool_call>ls\n</tool_call>").tool_calls == [ParsedToolCall("ls", "{}")]
+    junk = "<tool_call>ls\nnot a pair\n</tool_call>"
+    out = GLM.parse(junk)
+    assert (out.content, out.tool_calls) == (junk, [])
+    assert out.malformed is not None
+
+
+def test_deepseek_v31_calls_and_section_end() -> None:
+    """DeepSeek-V3.1's section becomes calls in order; its closing marker is not content."""
+    text = "Checking." + deepseek_v31_calls(("a", {"i": 1}), ("b", {"s": "x"}))
+    out = DSV31.parse(text)
+    assert out.content == "Checking."
+    assert [(c.name, args(c)) for c in out.tool_calls] == [("a", {"i": 1}), ("b", {"s": "x"})]
+
+
+def test_deepseek_v3_fenced_json_calls() -> None:
+    """DeepSeek-V3/R1's ``function<｜tool▁sep｜>NAME`` + fenced JSON becomes calls."""
+    out = DSV3.parse(deepseek_v3_calls(("get_weather", {"city": "Paris"})))
+    assert out == ParsedOutput("", [ParsedToolCall("get_weather", '{"city": "Paris"}')], None)
+
+
+def test_deepseek_invalid_json_is_malformed_and_keeps_text() -> None:
+    """Arguments that are not JSON make the whole reply content, verbatim."""
+    text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{oops<｜tool▁call▁end｜>"
+    out = DSV31.parse(text)
+    assert (out.content, out.tool_calls) == (text, [])
+    assert out.malformed == "invalid JSON in tool call"
+
+
+def test_kimi_keeps_the_model_call_ids() -> None:
+    """Kimi-K2's ``functions.NAME:IDX`` is the call's id; the name comes out of it."""
+    out = KIMI.parse(
+        "On it."
+        + kimi_calls(
+            ("functions.read:0", "read", {"path": "a"}),
+            ("functions.ns.tool:1", "ns.tool", {}),
+        )
+    )
+    assert out.content == "On it."
+    assert [(c.id, c.name, args(c)) for c in out.tool_calls] == [
+        ("functions.read:0", "read", {"path": "a"}),
+        ("functions.ns.tool:1", "ns.tool", {}),
+    ]
+
+
+def test_llama3_json_reply_is_one_call() -> None:
+    """A reply that is a ``{"name", "parameters"}`` object is a call, with or without the
+    ``<|python_tag|>`` that may lead it; any other reply is content."""
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    expected = ParsedOutput("", [ParsedToolCall("get_weather", '{"city": "Paris"}')], None)
+    assert LLAMA.parse(call) == expected
+    assert LLAMA.parse(" <|python_tag|>" + call) == expected
+    text = 'The call would be {"name": "x"}.'
+    assert LLAMA.parse(text) == ParsedOutput(text, [], None)
+
+
+def test_llama3_json_object_that_is_no_call_stays_content() -> None:
+    """A reply that opens with JSON but is no call (or has text after it) is content."""
+    for text in ['{"answer": 42}', '{"name": "f", "parameters": {}} and more']:
+        out = LLAMA.parse(text)
+        assert (out.content, out.tool_calls) == (text, [])
+        assert out.malformed is not None
+
+
+def test_mistral_both_forms() -> None:
+    """``[TOOL_CALLS]NAME[ARGS]{...}`` per call, and the older ``[TOOL_CALLS] [...]`` list."""
+    new = MISTRAL.parse('Sure.[TOOL_CALLS]a[ARGS]{"i": 1}[TOOL_CALLS]b[ARGS]{}')
+    assert new.content == "Sure."
+    assert [(c.name, args(c)) for c in new.tool_calls] == [("a", {"i": 1}), ("b", {})]
+    old = MISTRAL.parse('[TOOL_CALLS] [{"name": "a", "arguments": {"i": 1}}, {"name": "b"}]')
+    assert [(c.name, args(c)) for c in old.tool_calls] == [("a", {"i": 1}), ("b", {})]
+    assert old.content == ""
+
+
+FAMILY_SAMPLES.update(
+    {
+        "glm45": [
+            "\nLooking.\n" + glm_call("run", {"count": "3"}) + "\n" + glm_call("ls", {}),
+            glm_call("run", {"code": "a </arg_value> b"}),
+            "<tool_call>ls\nnot a pair\n</tool_call>",
+            "<tool_call>ls\n<arg_key>a</arg_key>\n<arg_value>half",
+        ],
+        "deepseek_v31": [
+            "Checking." + deepseek_v31_calls(("a", {"i": 1}), ("b", {"s": "x"})),
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{oops<｜tool▁call▁end｜>",
+            "plain text with a < sign",
+        ],
+        "deepseek_v3": [
+            "ok" + deepseek_v3_calls(("a", {"i": 1}), ("b", {})),
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{",
+        ],
+        "kimi_k2": [
+            "On it." + kimi_calls(("functions.a:0", "a", {"i": 1}), ("functions.b:1", "b", {})),
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0"
+            "<|tool_call_argument_begin|>[1]<|tool_call_end|>",
+        ],
+        "llama3_json": [
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            '<|python_tag|>{"name": "f", "parameters": {}}',
+            "Just an answer { with braces }",
+            '{"name": "f"',
+        ],
+        "mistral": [
+            'Sure.[TOOL_CALLS]a[ARGS]{"i": 1}[TOOL_CALLS]b[ARGS]{}',
+            '[TOOL_CALLS] [{"name": "a", "arguments": {"i": 1}}]',
+            "[TOOL_CALLS]a[ARGS]{bad",
+        ],
+    }
+)
+FAMILY_CASES = [(get_parser(n), t) for n, texts in FAMILY_SAMPLES.items() for t in texts]
+FAMILY_IDS = [f"{p.name}-{i}" for i, (p, _) in enumerate(FAMILY_CASES)]
+
+
+@pytest.mark.parametrize(("parser", "text"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_family_stream_matches_parse_at_every_split(parser: ToolCallParser, text: str) -> None:
+    """Every family format streams to parse()'s result: split at every position, and one
+    character at a time."""
+    for i in range(len(text) + 1):
+        check_stream(parser, text, [text[:i], text[i:]])
+    check_stream(parser, text, list(text))
+
+
+def test_family_samples_cover_calls_and_malformed() -> None:
+    """Each family's samples include well-formed calls and malformed output."""
+    for name, texts in FAMILY_SAMPLES.items():
+        results = [get_parser(name).parse(t) for t in texts]
+        assert any(r.tool_calls for r in results), name
+        assert any(r.malformed for r in results), name
