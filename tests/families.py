@@ -125,6 +125,22 @@ class FamilyCase:
     # Whether the template's full rendering of a multi-turn tool episode is a sequence the
     # model could have sampled at all (else only the new text of each turn is compared).
     coherent_history: bool = True
+    # The model writes its own call ids (Kimi-K2): the agent must get those back.
+    model_call_ids: bool = False
+
+    def reply(self, prompt: str, reasoning: str, content: str, calls: list[Call]) -> str:
+        """What the model samples after ``prompt``: ``sample``, with the think block opened
+        by the model itself when the family's sample expects the prompt to have opened it
+        and this prompt did not (R1's template writes no generation prompt after tool
+        output)."""
+        text = self.sample(reasoning, content, calls)
+        if self.opened_by_prompt and not prompt.rstrip().endswith("<think>"):
+            return "<think>\n" + text
+        return text
+
+    @property
+    def opened_by_prompt(self) -> bool:
+        return self.name == "deepseek_r1"
 
     @property
     def folder(self) -> Path:
@@ -158,6 +174,7 @@ FAMILIES: dict[str, FamilyCase] = {
             reasoning=False,
             exact_history=True,
             call_id=lambda name, index: f"functions.{name}:{index}",
+            model_call_ids=True,
         ),
     ]
 }

@@ -11,7 +11,7 @@ so fidelity re-scoring of the recorded trajectories is a real check.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from worker_client.backends.hf import HFEngine
 from worker_client.engine import FinishReason, ModelCard, SamplingParams, TokenChunk
@@ -21,22 +21,27 @@ class ScriptedEngine:
     def __init__(self, scorer: HFEngine, tokenizer: object) -> None:
         self.scorer = scorer
         self.tokenizer = tokenizer
-        self.replies: deque[str] = deque()
+        self.replies: deque[str | Callable[[str], str]] = deque()
         self.prompts: list[list[int]] = []
+        self.sampled: list[list[int]] = []
 
     @property
     def card(self) -> ModelCard:
         return self.scorer.card
 
-    def script(self, *replies: str) -> None:
+    def script(self, *replies: str | Callable[[str], str]) -> None:
+        """Queue replies: texts, or functions of the prompt's text giving one."""
         self.replies.extend(replies)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncGenerator[TokenChunk, None]:
-        text = self.replies.popleft()
-        ids = self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+        reply = self.replies.popleft()
+        if callable(reply):
+            reply = reply(self.tokenizer.decode(list(prompt_ids)))  # type: ignore[attr-defined]
+        ids = self.tokenizer.encode(reply, add_special_tokens=False)  # type: ignore[attr-defined]
         self.prompts.append(list(prompt_ids))
+        self.sampled.append(ids)
         logprobs = self.scorer.score(prompt_ids, ids)
         for at in range(0, len(ids) - 3, 3):  # streamed in small chunks, as an engine does
             yield TokenChunk(ids[at : at + 3], logprobs[at : at + 3])

@@ -7,6 +7,7 @@ back or not), and a trajectory that re-scores by teacher forcing."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,9 +28,7 @@ from tests.scripted_policy import ScriptedEngine
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
 
-# The families whose tool calls the proxy parses today (the others continue their chains
-# too: see tests/proxy/chat/test_families.py).
-E2E_FAMILIES = ["qwen3", "qwen3_coder", "qwen25"]
+E2E_FAMILIES = sorted(FAMILIES)
 
 TOOLS = [
     ("bash", "Run a command", {"type": "object", "properties": {"command": {"type": "string"}}}),
@@ -65,7 +64,11 @@ async def family_stack(
     await running.stop()
 
 
-async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bool) -> list[str]:
+# What an agent saw of an episode: the reasoning of each turn, and the id of each tool call.
+Seen = tuple[list[str], list[str]]
+
+
+async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bool) -> Seen:
     async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
         tools = [
             {"type": "function", "function": {"name": n, "description": d, "parameters": p}}
@@ -76,6 +79,7 @@ async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bo
             {"role": "user", "content": "List the files, then read main.py."},
         ]
         reasoning: list[str] = []
+        ids: list[str] = []
         for turn in range(3):
             if stream:
                 content, thought, calls = "", "", {}
@@ -109,6 +113,7 @@ async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bo
             if send_back and thought:
                 assistant["reasoning_content"] = thought
             messages.append(assistant)
+            ids += [c["id"] for c in tool_calls]
             if turn < 2:
                 assert tool_calls, f"turn {turn} returned no tool call"
                 messages.append(
@@ -118,18 +123,17 @@ async def _chat(base_url: str, key: str, model: str, stream: bool, send_back: bo
                         "content": TOOL_OUTPUTS[turn],
                     }
                 )
-        return reasoning
+        return reasoning, ids
 
 
-async def _anthropic(
-    base_url: str, key: str, model: str, stream: bool, send_back: bool
-) -> list[str]:
+async def _anthropic(base_url: str, key: str, model: str, stream: bool, send_back: bool) -> Seen:
     async with AsyncAnthropic(base_url=base_url, api_key=key, max_retries=0) as client:
         tools = [{"name": n, "description": d, "input_schema": p} for n, d, p in TOOLS]
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": "List the files, then read main.py."}
         ]
         reasoning: list[str] = []
+        ids: list[str] = []
         for turn in range(3):
             kwargs: dict[str, Any] = {
                 "model": model,
@@ -149,6 +153,7 @@ async def _anthropic(
                 blocks = [b for b in blocks if b["type"] != "thinking"]
             messages.append({"role": "assistant", "content": blocks})
             uses = [b for b in blocks if b["type"] == "tool_use"]
+            ids += [b["id"] for b in uses]
             if turn < 2:
                 assert uses, f"turn {turn} returned no tool_use"
                 messages.append(
@@ -163,12 +168,10 @@ async def _anthropic(
                         ],
                     }
                 )
-        return reasoning
+        return reasoning, ids
 
 
-async def _responses(
-    base_url: str, key: str, model: str, stream: bool, send_back: bool
-) -> list[str]:
+async def _responses(base_url: str, key: str, model: str, stream: bool, send_back: bool) -> Seen:
     async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
         tools = [
             {"type": "function", "name": n, "description": d, "parameters": p} for n, d, p in TOOLS
@@ -178,6 +181,7 @@ async def _responses(
             {"role": "user", "content": "List the files, then read main.py."},
         ]
         reasoning: list[str] = []
+        ids: list[str] = []
         for turn in range(3):
             if stream:
                 async with client.responses.stream(model=model, input=items, tools=tools) as events:
@@ -197,6 +201,7 @@ async def _responses(
                 output = [item for item in output if item["type"] != "reasoning"]
             items.extend(output)
             calls = [item for item in output if item["type"] == "function_call"]
+            ids += [item["call_id"] for item in calls]
             if turn < 2:
                 assert calls, f"turn {turn} returned no function call"
                 items.append(
@@ -206,7 +211,7 @@ async def _responses(
                         "output": TOOL_OUTPUTS[turn],
                     }
                 )
-        return reasoning
+        return reasoning, ids
 
 
 AGENTS = {"chat": _chat, "anthropic": _anthropic, "responses": _responses}
@@ -227,22 +232,32 @@ async def test_a_reasoning_tool_episode_is_one_chain(
     running, engines = family_stack
     case, engine = FAMILIES[family], engines[family]
     engine.prompts.clear()
-    engine.script(*(case.sample(r, c, calls) for r, c, calls in SCRIPT))
+    engine.sampled.clear()
+    engine.script(
+        *(
+            functools.partial(case.reply, reasoning=r, content=c, calls=calls)
+            for r, c, calls in SCRIPT
+        )
+    )
     send_back = not stream  # one of each: reasoning sent back, and dropped
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(model=family)
         base = trial.anthropic_base_url if api == "anthropic" else trial.base_url
-        reasoning = await AGENTS[api](base, trial.api_key, family, stream, send_back)
+        reasoning, call_ids = await AGENTS[api](base, trial.api_key, family, stream, send_back)
         export = await proxy.trajectories(trial.trial_id)
     (trajectory,) = export["trajectories"]
     reasons = [t["branch_reason"] for t in trajectory["turns"]]
     assert reasons == ["new_session", "continued", "continued"]
     expected = [r for r, _, _ in SCRIPT] if case.reasoning else ["", "", ""]
     assert reasoning == expected
+    if case.model_call_ids:  # the ids the model wrote reach the agent
+        assert call_ids == [
+            case.call_id(name, i) for _, _, calls in SCRIPT for i, (name, _) in enumerate(calls)
+        ]
     prompts = engine.prompts
     assert len(prompts) == 3
     for turn in range(2):
-        sampled = engine.tokenizer.encode(case.sample(*SCRIPT[turn]), add_special_tokens=False)
+        sampled = engine.sampled[turn]
         assert prompts[turn + 1][: len(prompts[turn]) + len(sampled)] == prompts[turn] + sampled
     report = check_fidelity(export, engine.scorer.score)
     assert report.ok(), report
