@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.chat.detokenizer import IncrementalDetokenizer
+from proxy.chat.harmony import HarmonySplitter
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
-from proxy.chat.reasoning import Piece, ReasoningPiece, ReasoningSplitter
+from proxy.chat.reasoning import Piece, ReasoningPiece, ReasoningSplitter, Splitter
 from proxy.chat.stops import StopMatcher
 from proxy.exceptions import (
     ContextLengthError,
@@ -374,11 +375,15 @@ class TurnService:
         return parser.stream(_tool_schemas(prepared.request.tools))
 
     @staticmethod
-    def _splitter(prepared: PreparedTurn) -> ReasoningSplitter:
+    def _splitter(prepared: PreparedTurn) -> Splitter:
         """Reasoning is separated on the chat APIs of a template that has it (a raw prompt
         gets its text as sampled)."""
         renderer = prepared.served.renderer
-        if prepared.request.prompt_ids is not None or not renderer.reasons:
+        if prepared.request.prompt_ids is not None:
+            return ReasoningSplitter(enabled=False)
+        if renderer.harmony:
+            return HarmonySplitter()
+        if not renderer.reasons:
             return ReasoningSplitter(enabled=False)
         return ReasoningSplitter(in_reasoning=renderer.opens_reasoning(prepared.plan.prompt_ids))
 

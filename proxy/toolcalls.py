@@ -27,6 +27,10 @@ calls. This module recognises that markup, once for a whole completion
 * ``mistral``: ``[TOOL_CALLS]NAME[ARGS]{...}`` per call (Mistral Small 3.2, Devstral,
   Magistral), or ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B
   v0.3, Nemo).
+* ``harmony``: ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>
+  {...}<|call|>`` (gpt-oss). The model writes harmony messages on channels; the proxy's
+  harmony splitter (``proxy.chat.harmony``) routes them and hands each tool call on in this
+  one form.
 * ``none``: no tool calls; everything is content.
 
 The parsing itself is carried by transformers' declarative response parsing
@@ -256,6 +260,21 @@ _LLAMA3_JSON_SPEC: Final[dict[str, Any]] = {
     },
 }
 
+_HARMONY_SPEC: Final[dict[str, Any]] = {
+    "start_anchor": _UNUSED_ANCHOR,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*<\|start\|>assistant to=(?:functions\.)?(?P<name>[^<]+?)"
+            r"<\|channel\|>commentary json<\|message\|>",
+            "close": "<|call|>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"name": "{name}", "arguments": "{content}"},
+        },
+        "content": _CONTENT_FIELD,
+    },
+}
+
 _MISTRAL_SPEC: Final[dict[str, Any]] = {
     "start_anchor": _UNUSED_ANCHOR,
     "fields": {
@@ -454,6 +473,7 @@ _FORMATS: Final[dict[str, _Format]] = {
             trailers=("<|tool_calls_section_end|>",),
         ),
         _format("llama3_json", _LLAMA3_JSON_SPEC, _json_call, ("<|python_tag|>",)),
+        _format("harmony", _HARMONY_SPEC, _json_call, ("<|call|>", "<|channel|>", "<|start|>")),
         _format("mistral", _MISTRAL_SPEC, _mistral_calls, ("[TOOL_CALLS]", "[ARGS]")),
         _format("none", None, _no_calls, (), decode_error="unparseable tool call"),
     ]
@@ -679,6 +699,8 @@ def detect_parser(chat_template: str | None) -> str:
     writes for the calls in history."""
     if not chat_template:
         return "none"
+    if "<|channel|>" in chat_template and "<|call|>" in chat_template:
+        return "harmony"
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

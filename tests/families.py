@@ -108,6 +108,23 @@ def _kimi_k2(reasoning: str, content: str, calls: list[Call]) -> str:
     return f"{content}<|tool_calls_section_begin|>{inner}<|tool_calls_section_end|><|im_end|>"
 
 
+def _gpt_oss(reasoning: str, content: str, calls: list[Call]) -> str:
+    # The generation prompt wrote `<|start|>assistant`: the reply opens with a header.
+    analysis = (
+        f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if reasoning else ""
+    )
+    if calls:  # one call per message; the model stops on <|call|>
+        ((name, args),) = calls
+        preamble = (
+            f"<|channel|>commentary<|message|>{content}<|end|><|start|>assistant" if content else ""
+        )
+        return (
+            f"{analysis}{preamble}<|channel|>commentary to=functions.{name} <|constrain|>json"
+            f"<|message|>{json.dumps(args)}<|call|>"
+        )
+    return f"{analysis}<|channel|>final<|message|>{content}<|return|>"
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     name: str
@@ -175,6 +192,17 @@ FAMILIES: dict[str, FamilyCase] = {
             exact_history=True,
             call_id=lambda name, index: f"functions.{name}:{index}",
             model_call_ids=True,
+        ),
+        # History drops analysis once a final answer follows, writes the recipient in the
+        # role where the model wrote it after the channel, and <|end|> where it sampled
+        # <|return|>: only each turn's new text is compared with the template's.
+        FamilyCase(
+            "gpt_oss",
+            _gpt_oss,
+            reasoning=True,
+            exact_history=False,
+            single_call=True,
+            coherent_history=False,
         ),
     ]
 }

@@ -9,8 +9,12 @@ family declares::
      "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,
      "stop_tokens": ["<|im_end|>", "<|endoftext|>"]}
 
-The vocabulary is a ``tokenizer.json`` shipped inside an installed Python package (read
-from the package's files, never downloaded). ``added_tokens`` entries with an ``id`` must
+The vocabulary is a file shipped inside an installed Python package (read from the
+package's files, never downloaded): a ``tokenizer.json``, or (``"format": "quicktok"``) the
+byte-level BPE ranks of a tiktoken encoding as ``quicktok-v1`` ships them (``.vocab``:
+u32 count, then per token u16 length, its bytes, u32 rank; ``.special``: u32 count, then
+per token u32 id, u16 length, its text), with the encoding's split ``pattern``; transformers'
+``TikTokenConverter`` turns those into a fast tokenizer. ``added_tokens`` entries with an ``id`` must
 land on exactly that id (the family's real numbering); entries without one are appended
 after the vocabulary (families whose own vocabulary is not available: their special
 tokens are still single tokens, so the template's structure is what the model sees).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,12 +78,43 @@ class Family:
             raise FamilyError(f"family {self.name}: {path} does not exist")
         return path
 
+    def _package_file(self, name: str) -> Path:
+        source = self.spec["vocabulary"]
+        return self.vocabulary_file().parent / Path(str(source[name])).relative_to(
+            Path(str(source["file"])).parent
+        )
+
+    def _backend(self) -> Any:
+        from tokenizers import AddedToken, Tokenizer
+
+        source = self.spec["vocabulary"]
+        if source.get("format", "tokenizer.json") == "tokenizer.json":
+            return Tokenizer.from_file(str(self.vocabulary_file()))
+        if source["format"] != "quicktok":
+            raise FamilyError(f"family {self.name}: unknown vocabulary format {source['format']}")
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        ranks = _quicktok_ranks(self.vocabulary_file().read_bytes())
+
+        class _Ranks(TikTokenConverter):  # the ranks are read here, not from a .tiktoken
+            @staticmethod
+            def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+                return ranks
+
+        backend = _Ranks(vocab_file="", pattern=source["pattern"]).converted()  # type: ignore[no-untyped-call]
+        specials = _quicktok_specials(self._package_file("specials").read_bytes())
+        for token_id, text in sorted(specials.items()):
+            if token_id != backend.get_vocab_size(with_added_tokens=True):
+                raise FamilyError(f"family {self.name}: special {text} is not contiguous")
+            backend.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        return backend
+
     def tokenizer(self) -> Any:
         """The family's tokenizer (a ``PreTrainedTokenizerFast``) with its chat template."""
-        from tokenizers import AddedToken, Tokenizer
+        from tokenizers import AddedToken
         from transformers import PreTrainedTokenizerFast
 
-        backend = Tokenizer.from_file(str(self.vocabulary_file()))
+        backend = self._backend()
         for entry in self.spec.get("added_tokens", []):
             token = AddedToken(
                 entry["content"], special=bool(entry.get("special", True)), normalized=False
@@ -110,6 +146,32 @@ class Family:
         )
         tokenizer.chat_template = self.chat_template
         return tokenizer
+
+
+def _quicktok_ranks(data: bytes) -> dict[bytes, int]:
+    (count,) = struct.unpack_from("<I", data, 0)
+    at, ranks = 4, {}
+    for _ in range(count):
+        (size,) = struct.unpack_from("<H", data, at)
+        token = data[at + 2 : at + 2 + size]
+        (rank,) = struct.unpack_from("<I", data, at + 2 + size)
+        ranks[token] = rank
+        at += 6 + size
+    if at != len(data) or sorted(ranks.values()) != list(range(count)):
+        raise FamilyError("not a quicktok vocabulary: ranks are not 0..count-1")
+    return ranks
+
+
+def _quicktok_specials(data: bytes) -> dict[int, str]:
+    (count,) = struct.unpack_from("<I", data, 0)
+    at, specials = 4, {}
+    for _ in range(count):
+        token_id, size = struct.unpack_from("<IH", data, at)
+        specials[token_id] = data[at + 6 : at + 6 + size].decode()
+        at += 6 + size
+    if at != len(data):
+        raise FamilyError("not a quicktok special-token file")
+    return specials
 
 
 def write_family_model(out_dir: Path, family_folder: str | Path, *, seed: int = 0) -> Path:

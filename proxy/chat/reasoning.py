@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -44,6 +45,18 @@ class AnswerPiece:
 
 
 Piece = ReasoningPiece | AnswerPiece
+
+
+class Splitter(Protocol):
+    """One reply's text in (``feed`` as it streams, then ``finish`` once), reasoning and
+    answer pieces out; ``reasoning`` and ``answer`` collect every piece's text."""
+
+    reasoning: list[str]
+    answer: list[str]
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
 
 
 def opens_reasoning(prompt_tail: str) -> bool:

@@ -72,6 +72,8 @@ class ChatRenderer:
         # Think-tag reasoning (Qwen3, DeepSeek, GLM): the template knows the tags.
         template = str(tokenizer.chat_template)
         self.reasons = reasoning.OPEN in template and reasoning.CLOSE in template
+        # Harmony (gpt-oss): reasoning, answer and tool calls are messages on channels.
+        self.harmony = self.parser.name == "harmony"
         # A template that cannot render a one-message conversation is refused at once.
         self._apply([_PROBE_USER], add_generation_prompt=True)
         # Some templates concatenate tool-call arguments as text (DeepSeek), most render
@@ -156,7 +158,13 @@ class ChatRenderer:
         return ids
 
     def _dict(self, message: ChatMessage) -> dict[str, Any]:
-        return message.template_dict(string_arguments=self.string_arguments)
+        out = message.template_dict(string_arguments=self.string_arguments)
+        if self.harmony and message.tool_calls and message.content and message.reasoning:
+            # gpt-oss's template has one analysis message before a call and refuses both
+            # fields: the reasoning is what the model wrote there, the content (a preamble
+            # on the commentary channel) has no place in its history.
+            out["content"] = ""
+        return out
 
     def render_conversation(
         self, messages: Sequence[ChatMessage], tools: Sequence[Tool]

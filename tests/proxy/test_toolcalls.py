@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from proxy.chat.harmony import call_markup
 from proxy.toolcalls import (
     ContentDelta,
     ParsedOutput,
@@ -536,6 +537,7 @@ FORMAT_NAMES = [
     "kimi_k2",
     "llama3_json",
     "mistral",
+    "harmony",
     "none",
 ]
 
@@ -600,6 +602,7 @@ def test_detect_parser_on_every_family_fixture() -> None:
         "deepseek_r1": "deepseek_v3",
         "kimi_k2": "kimi_k2",
         "llama31": "llama3_json",
+        "gpt_oss": "harmony",
     }
     found = {
         name: detect_parser((FIXTURES / name / "chat_template.jinja").read_text())
@@ -771,6 +774,13 @@ FAMILY_SAMPLES.update(
             '<|python_tag|>{"name": "f", "parameters": {}}',
             "Just an answer { with braces }",
             '{"name": "f"',
+        ],
+        "harmony": [
+            "Listing."
+            + call_markup("functions.bash", '{"command": "ls"}')
+            + call_markup("functions.read", "{}"),
+            call_markup("functions.bash", "{oops"),
+            "<|start|>assistant to=functions.x<|channel|>commentary json<|message|>{}",
         ],
         "mistral": [
             'Sure.[TOOL_CALLS]a[ARGS]{"i": 1}[TOOL_CALLS]b[ARGS]{}',
