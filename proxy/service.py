@@ -473,6 +473,9 @@ class TurnService:
                 truncated=truncated,
                 stop_sequence=stop_sequence,
                 tool_choice_unmet=unmet,
+                reasoning_returned=sum(
+                    1 for m in prepared.request.messages if m.role == "assistant" and m.reasoning
+                ),
                 extra=dict(finished.extra) if finished is not None else {},
             ),
         )

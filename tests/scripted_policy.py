@@ -18,9 +18,15 @@ from worker_client.engine import FinishReason, ModelCard, SamplingParams, TokenC
 
 
 class ScriptedEngine:
-    def __init__(self, scorer: HFEngine, tokenizer: object) -> None:
+    """Replies come from the queue (``script``) in order; once it is empty, from
+    ``policy`` (a function of the prompt's text) when there is one."""
+
+    def __init__(
+        self, scorer: HFEngine, tokenizer: object, policy: Callable[[str], str] | None = None
+    ) -> None:
         self.scorer = scorer
         self.tokenizer = tokenizer
+        self.policy = policy
         self.replies: deque[str | Callable[[str], str]] = deque()
         self.prompts: list[list[int]] = []
         self.sampled: list[list[int]] = []
@@ -36,6 +42,8 @@ class ScriptedEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncGenerator[TokenChunk, None]:
+        if not self.replies and self.policy is not None:
+            self.replies.append(self.policy)
         reply = self.replies.popleft()
         if callable(reply):
             reply = reply(self.tokenizer.decode(list(prompt_ids)))  # type: ignore[attr-defined]

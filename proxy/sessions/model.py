@@ -70,6 +70,10 @@ class TurnMeta(msgspec.Struct, gc=False):
     truncated: bool = False  # the client went away before the reply was complete
     stop_sequence: str | None = None  # the stop string that ended the reply
     tool_choice_unmet: bool = False  # a tool call was required but the model made none
+    # Earlier assistant messages of the request that carried their reasoning back (what
+    # the agent does with reasoning: under the default history policy the context keeps
+    # the sampled reasoning either way).
+    reasoning_returned: int = 0
     extra: dict[str, str | int | float] = {}  # msgspec gives each turn its own dict
 
     def as_dict(self) -> dict[str, Any]:
@@ -89,6 +93,7 @@ class TurnMeta(msgspec.Struct, gc=False):
             "truncated": self.truncated,
             "stop_sequence": self.stop_sequence,
             "tool_choice_unmet": self.tool_choice_unmet,
+            "reasoning_returned": self.reasoning_returned,
             "extra": self.extra,
         }
 

@@ -1,0 +1,240 @@
+"""Claude Code and Codex themselves (the npm CLIs, ``scripts/agent-clis.sh``) run reasoning,
+tool-using episodes through the proxy on real families' templates.
+
+The worker serves a scripted policy (``tests.scripted_policy``): it reasons, then calls the
+agent's own shell tool twice in the family's native markup, then answers; every token's
+logprob is the family's tiny model's. The agents really run the commands, get the
+reasoning back in their API's form (Anthropic ``thinking`` blocks, Responses ``reasoning``
+items) and send it back with the next request. Each episode must be one chain of
+continued turns, the sampled ids verbatim in later prompts, and re-score by teacher
+forcing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from proxy.config import ProxyConfig
+from proxy.embedded import RunningProxy, start_proxy
+from sdk.client import ProxyClient, TrialSession
+from sdk.fidelity import check_fidelity
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.families import FAMILIES, family_model
+from tests.scripted_policy import ScriptedEngine
+from worker_client.backends.hf import HFEngine
+from worker_client.client import ServedModel, WorkerClient
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / ".cache" / "npm" / "bin"
+AGENT_FAMILIES = ["qwen3", "gpt_oss"]
+TASK = "TASK-7f3: print the two markers, then report them."
+ANSWER = "Finished: relayout-1 and relayout-2."
+# The command prints a marker that its own text does not contain, so the number of
+# commands already run is the number of markers in the prompt's tool outputs.
+MARKER = "relayout-"
+
+
+def command(step: int) -> str:
+    return f"printf 'relay%s-%s' out {step}"
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    tool: str  # the agent's shell tool
+    arguments: str  # the name of that tool's command argument
+
+    def call(self, step: int) -> tuple[str, dict[str, Any]]:
+        args: dict[str, Any] = {self.arguments: command(step)}
+        if self.name == "claude":
+            args["description"] = f"Print marker {step}"
+        return self.tool, args
+
+
+AGENTS = {
+    "claude": Agent("claude", "Bash", "command"),
+    "codex": Agent("codex", "exec_command", "cmd"),
+}
+
+
+def policy(family: str, agent: Agent) -> Any:
+    """Two commands, then the answer; requests that are not the task's (an agent's side
+    requests) get a short answer."""
+    case = FAMILIES[family]
+
+    def reply(prompt: str) -> str:
+        if TASK not in prompt:
+            return case.sample("", "OK.", [])
+        done = prompt.count(MARKER)
+        if done >= 2:
+            return case.sample("Both markers are printed.", ANSWER, [])
+        return case.sample(f"Step {done + 1}: print marker {done + 1}.", "", [agent.call(done + 1)])
+
+    return reply
+
+
+@pytest.fixture(scope="module")
+def clis() -> Path:
+    """The CLIs, installed once under .cache/npm."""
+    subprocess.run([str(ROOT / "scripts" / "agent-clis.sh")], check=True, cwd=ROOT)
+    return BIN
+
+
+@pytest.fixture(scope="module")
+async def agent_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[RunningProxy, dict[str, ScriptedEngine]]]:
+    # Claude Code sends ~77K characters of system prompt and tool schemas.
+    config = ProxyConfig(
+        port=0,
+        max_tokens=4096,
+        max_body_bytes=16 * 1024 * 1024,
+        cache_dir=tmp_path_factory.mktemp("agent-clis"),
+    )
+    running = await start_proxy(config)
+    engines: dict[str, ScriptedEngine] = {}
+    for name in AGENT_FAMILIES:
+        directory = family_model(name)
+        engine = ScriptedEngine(
+            HFEngine.load(directory, name=name), AutoTokenizer.from_pretrained(str(directory))
+        )
+        engines[name] = engine
+        client = WorkerClient(
+            running.worker_url, {name: ServedModel(engine, directory)}, worker_id=f"w-{name}"
+        )
+        running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    await running.wait_for_workers(len(AGENT_FAMILIES), within_seconds=120 * TIMEOUT_FACTOR)
+    yield running, engines
+    await running.stop()
+
+
+def _claude(
+    bin_dir: Path, trial: TrialSession, family: str, home: Path
+) -> tuple[list[str], dict[str, str]]:
+    env = {
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
+        "ANTHROPIC_API_KEY": trial.api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    argv = [
+        str(bin_dir / "claude"),
+        "-p",
+        TASK,
+        "--model",
+        family,
+        "--output-format",
+        "json",
+        "--allowedTools",
+        "Bash",
+        "--max-turns",
+        "6",
+    ]
+    return argv, env
+
+
+def _codex(
+    bin_dir: Path, trial: TrialSession, family: str, home: Path
+) -> tuple[list[str], dict[str, str]]:
+    codex_home = home / "codex"
+    codex_home.mkdir()
+    # A provider on the trial's base URL; nothing else leaves loopback.
+    (codex_home / "config.toml").write_text(
+        f'model = "{family}"\n'
+        'model_provider = "relay"\n'
+        "[model_providers.relay]\n"
+        'name = "relay"\n'
+        f'base_url = "{trial.base_url}"\n'
+        'env_key = "RELAY_TRIAL_KEY"\n'
+        'wire_api = "responses"\n'
+        "[features]\nplugins = false\nremote_plugin = false\napps = false\n"
+        "[analytics]\nenabled = false\n"
+        '[otel]\nmetrics_exporter = "none"\n'
+    )
+    env = {"HOME": str(home), "CODEX_HOME": str(codex_home), "RELAY_TRIAL_KEY": trial.api_key}
+    argv = [
+        str(bin_dir / "codex"),
+        "exec",
+        "--json",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "-C",
+        str(home),
+        TASK,
+    ]
+    return argv, env
+
+
+async def run_agent(bin_dir: Path, agent: str, trial: TrialSession, family: str, home: Path) -> str:
+    """Run the agent CLI to its end; its standard output."""
+    make = _claude if agent == "claude" else _codex
+    argv, extra = make(bin_dir, trial, family, home)
+    keep = {"PATH", "LANG", "TMPDIR"}
+    env = {k: v for k, v in os.environ.items() if k in keep} | extra
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=home,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 300 * TIMEOUT_FACTOR)
+    except TimeoutError:
+        process.kill()
+        out, err = await process.communicate()
+    assert process.returncode == 0, (out.decode()[-2000:], err.decode()[-2000:])
+    return out.decode()
+
+
+@pytest.mark.parametrize("family", AGENT_FAMILIES)
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+async def test_agent_cli_runs_a_reasoning_episode_as_one_chain(
+    clis: Path,
+    agent_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+    agent: str,
+    family: str,
+    tmp_path: Path,
+) -> None:
+    """The agent runs both commands and reports them; the session is one trajectory of
+    continued turns, each later request sends the earlier turns' reasoning back, the
+    sampled ids are verbatim in the next prompt, and fidelity holds."""
+    running, engines = agent_stack
+    engine = engines[family]
+    engine.prompts.clear()
+    engine.sampled.clear()
+    engine.policy = policy(family, AGENTS[agent])
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model=family)
+        output = await run_agent(clis, agent, trial, family, tmp_path)
+        export = await proxy.trajectories(trial.trial_id)
+
+    assert ANSWER in output
+    if agent == "claude":
+        assert json.loads(output)["result"] == ANSWER
+    (trajectory,) = export["trajectories"]
+    turns = trajectory["turns"]
+    assert [t["branch_reason"] for t in turns] == ["new_session", "continued", "continued"]
+    assert [t["tool_calls"] for t in turns] == [1, 1, 0]
+    # Each request carried back the reasoning of every earlier turn, in the API's form.
+    assert [t["reasoning_returned"] for t in turns] == [0, 1, 2]
+    prompts, sampled = engine.prompts, engine.sampled
+    assert len(prompts) == 3
+    for a in range(2):
+        assert prompts[a + 1][: len(prompts[a]) + len(sampled[a])] == prompts[a] + sampled[a]
+    report = check_fidelity(export, engine.scorer.score)
+    assert report.ok(), report
