@@ -92,12 +92,19 @@ class ProxyClient(HttpClient):
         metadata: dict[str, Any] | None = None,
         sampling: dict[str, Any] | None = None,
         model: str | None = None,
+        history: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> TrialSession:
+        """Register a trial. ``history`` (``"keep"``, the default, or ``"template"``) and
+        ``chat_template_kwargs`` are session options: see the README's history policy."""
         payload: dict[str, Any] = {"metadata": metadata or {}}
-        if sampling is not None:
-            payload["sampling"] = sampling
-        if model is not None:
-            payload["model"] = model
+        options = {
+            "sampling": sampling,
+            "model": model,
+            "history": history,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        payload.update({k: v for k, v in options.items() if v is not None})
         if trial_id is not None:
             data = await self._request("POST", f"/sessions/{trial_id}", payload)
         else:

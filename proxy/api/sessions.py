@@ -14,6 +14,7 @@ from proxy.exceptions import BadRequestError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Session, SessionState
+from proxy.sessions.options import validate_options
 
 
 class CreateSession(BaseModel):
@@ -22,6 +23,9 @@ class CreateSession(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] | None = None
     model: str | None = None
+    # Session options (proxy.sessions.options), validated there for clear errors.
+    history: Any = None
+    chat_template_kwargs: Any = None
 
 
 class CompleteSession(BaseModel):
@@ -58,6 +62,7 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
         metadata=spec.metadata,
         sampling=validate_session_sampling(spec.sampling),
         model=spec.model,
+        options=validate_options(spec.history, spec.chat_template_kwargs),
     )
     try:
         await registry.save(session)

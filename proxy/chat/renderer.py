@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,13 +134,17 @@ class ChatRenderer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
+        """The template's text; ``variables`` are extra template variables (a session's
+        ``chat_template_kwargs``)."""
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools or None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **(variables or {}),
             )
         except Exception as exc:  # jinja raises anything the template's author raised
             raise TemplateError(f"chat template rejected the messages: {exc}") from None
@@ -167,13 +171,17 @@ class ChatRenderer:
         return out
 
     def render_conversation(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Tool]
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Tool],
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """A full rendering, with the generation prompt (a new branch's prompt)."""
         text = self._apply(
             [self._dict(m) for m in messages],
             tools=[t.template_dict() for t in tools],
             add_generation_prompt=True,
+            variables=variables,
         )
         return self.encode(text)
 
@@ -182,14 +190,15 @@ class ChatRenderer:
         returned: ChatMessage,
         completion_ids: Sequence[int],
         messages: Sequence[ChatMessage],
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The ids that follow a sampled completion when ``messages`` are appended after
         the assistant message it ``returned``: the rest of the template's close, the new
         messages and the generation prompt. Raises NotPrefixStableError when the template
         cannot be cut this way."""
-        split = self._split(returned, messages, in_arguments=False)
+        split = self._split(returned, messages, variables, in_arguments=False)
         if split is None and returned.tool_calls:
-            split = self._split(returned, messages, in_arguments=True)
+            split = self._split(returned, messages, variables, in_arguments=True)
         if split is None:
             raise NotPrefixStableError("the template does not render the returned message")
         last = completion_ids[-1] if completion_ids else None
@@ -197,7 +206,12 @@ class ChatRenderer:
         return self.encode(text_after_completion(split, final))
 
     def _split(
-        self, returned: ChatMessage, messages: Sequence[ChatMessage], *, in_arguments: bool
+        self,
+        returned: ChatMessage,
+        messages: Sequence[ChatMessage],
+        variables: Mapping[str, Any] | None,
+        *,
+        in_arguments: bool,
     ) -> Split | None:
         """Render the anchor alone and followed by ``messages``; None when the template
         does not show the sentinel where it was put."""
@@ -215,11 +229,13 @@ class ChatRenderer:
         else:
             anchor["content"] = SENTINEL
         head = [_PROBE_USER, anchor]
-        alone = self._apply(head, add_generation_prompt=False)
+        alone = self._apply(head, add_generation_prompt=False, variables=variables)
         if SENTINEL not in alone:
             return None
         followed = self._apply(
-            [*head, *(self._dict(m) for m in messages)], add_generation_prompt=True
+            [*head, *(self._dict(m) for m in messages)],
+            add_generation_prompt=True,
+            variables=variables,
         )
         return split_after_anchor(alone, followed, self._specials)
 

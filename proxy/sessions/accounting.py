@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from proxy.chat.messages import ChatMessage, Tool, prefix_keys
 from proxy.chat.renderer import ChatRenderer, NotPrefixStableError
 from proxy.sessions.model import PromptPlan, Session
+from proxy.sessions.options import HistoryPolicy
 
 
 def plan_turn(
@@ -24,11 +25,24 @@ def plan_turn(
     keys = prefix_keys(tools, messages)
     found = session.find_continuation(keys)
     reason = "new_session" if not session.nodes else "new_branch"
+    variables = session.options.chat_template_kwargs
+    if found is not None and session.options.history is HistoryPolicy.TEMPLATE:
+        # The template renders everything; the turn continues its parent only when that
+        # rendering starts with the parent's context and sampled ids.
+        parent, _ = found
+        ids = renderer.render_conversation(messages, tools, variables)
+        before = session.context_ids(parent)  # ends with the parent's sampled ids
+        if ids[: len(before)] == list(before):
+            return PromptPlan(parent, ids[len(before) :], ids, keys[-1], "continued")
+        return PromptPlan(None, ids, ids, keys[-1], "template_rewrote_history")
     if found is not None:
         parent, covered = found
         try:
             context = renderer.render_continuation(
-                messages[covered - 1], session.nodes[parent].completion_ids, messages[covered:]
+                messages[covered - 1],
+                session.nodes[parent].completion_ids,
+                messages[covered:],
+                variables,
             )
         except NotPrefixStableError:
             reason = "template_not_prefix_stable"
@@ -36,7 +50,7 @@ def plan_turn(
             prompt = session.context_ids(parent)
             prompt.extend(context)
             return PromptPlan(parent, context, prompt, keys[-1], "continued")
-    ids = renderer.render_conversation(messages, tools)
+    ids = renderer.render_conversation(messages, tools, variables)
     return PromptPlan(None, ids, ids, keys[-1], reason)
 
 

@@ -29,6 +29,7 @@ from typing import Any, NewType
 import msgspec
 
 from proxy.exceptions import ConflictError
+from proxy.sessions.options import SessionOptions
 
 TrialId = NewType("TrialId", str)
 
@@ -134,6 +135,7 @@ class Session:
     metadata: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
+    options: SessionOptions = field(default_factory=SessionOptions)
     state: SessionState = SessionState.ACTIVE
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
@@ -267,6 +269,7 @@ class Session:
             "model": self.model,
             "metadata": self.metadata,
             "sampling": self.sampling,
+            **self.options.as_dict(),
             "reward": self.reward,
             "turns": len(self.nodes),
             "branches": sum(1 for _ in self.leaves()),

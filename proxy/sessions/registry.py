@@ -10,6 +10,7 @@ import shortuuid
 from proxy.auth import new_trial_key
 from proxy.exceptions import BadRequestError, ConflictError, NotFoundError
 from proxy.sessions.model import Session, SessionState, TrialId, TurnNode
+from proxy.sessions.options import SessionOptions
 from proxy.sessions.store import LoadedState, SessionStore
 
 _TRIAL_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
@@ -43,6 +44,7 @@ class SessionRegistry:
         metadata: dict[str, Any],
         sampling: dict[str, Any],
         model: str | None,
+        options: SessionOptions | None = None,
     ) -> Session:
         tid = validate_trial_id(trial_id) if trial_id is not None else TrialId(shortuuid.uuid())
         if tid in self._sessions or tid in self._deleted:
@@ -53,6 +55,7 @@ class SessionRegistry:
             metadata=metadata,
             sampling=sampling,
             model=model,
+            options=options or SessionOptions(),
         )
         self._sessions[tid] = session
         return session

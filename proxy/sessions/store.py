@@ -42,13 +42,18 @@ from proxy.sessions.model import (
     TurnMeta,
     TurnNode,
 )
+from proxy.sessions.options import SessionOptions
 
 __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_array"]
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What each older schema version needs to become the current one.
+_MIGRATIONS = {
+    1: "ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",  # session options
+}
 # Writes waiting when a transaction starts that are committed with it.
 _GROUP_COMMIT = 512
 
@@ -63,6 +68,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     state TEXT NOT NULL,
     model TEXT,
     sampling TEXT NOT NULL,
+    options TEXT NOT NULL DEFAULT '{}',
     metadata TEXT NOT NULL,
     reward TEXT,
     created_at REAL NOT NULL,
@@ -131,6 +137,7 @@ def _session_row(s: Session) -> tuple[Any, ...]:
         s.state.value,
         s.model,
         _json(s.sampling),
+        _json(s.options.as_dict()),
         _json(s.metadata),
         None if s.reward is None else _json(s.reward),
         s.created_at,
@@ -162,6 +169,7 @@ def _session_from(row: sqlite3.Row) -> Session:
         api_key=row["api_key"],
         metadata=json.loads(row["metadata"]),
         sampling=json.loads(row["sampling"]),
+        options=SessionOptions.from_dict(json.loads(row["options"])),
         model=row["model"],
         state=SessionState(row["state"]),
         created_at=row["created_at"],
@@ -192,11 +200,12 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
 def _put_session(session_row: tuple[Any, ...]) -> _Op:
     def op(db: sqlite3.Connection) -> None:
         db.execute(
-            "INSERT INTO sessions (trial_id, api_key, state, model, sampling, metadata, reward,"
-            " created_at, updated_at, completed_at, completed_by, fetched_at)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
+            "INSERT INTO sessions (trial_id, api_key, state, model, sampling, options, metadata,"
+            " reward, created_at, updated_at, completed_at, completed_by, fetched_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(trial_id) DO UPDATE SET api_key=excluded.api_key,"
             " state=excluded.state, model=excluded.model, sampling=excluded.sampling,"
+            " options=excluded.options,"
             " metadata=excluded.metadata, reward=excluded.reward,"
             " updated_at=excluded.updated_at, completed_at=excluded.completed_at,"
             " completed_by=excluded.completed_by, fetched_at=excluded.fetched_at",
@@ -334,6 +343,15 @@ class SessionStore:
                 db.execute(
                     "INSERT INTO relay_meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
                 )
+            elif int(row[0]) in _MIGRATIONS:
+                db.execute("BEGIN IMMEDIATE")  # all of it or nothing
+                for version in range(int(row[0]), SCHEMA_VERSION):
+                    db.execute(_MIGRATIONS[version])
+                db.execute(
+                    "UPDATE relay_meta SET value=? WHERE key='schema_version'",
+                    (str(SCHEMA_VERSION),),
+                )
+                db.execute("COMMIT")
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StorageError(
                     f"{self.path} has schema version {row[0]}; this proxy reads"

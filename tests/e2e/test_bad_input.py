@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.appkeys import SESSIONS
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
@@ -162,16 +163,23 @@ async def test_no_worker_is_503_with_retry_after(
         ("/sessions", {"trial_id": "has space"}, 400, "invalid_trial_id"),
         ("/sessions", {"sampling": {"temperature": "x"}}, 400, "invalid_sampling"),
         ("/sessions", {"unknown_field": 1}, 400, "invalid_request"),
+        ("/sessions", {"history": "forget"}, 400, "invalid_option"),
+        ("/sessions", {"chat_template_kwargs": ["thinking"]}, 400, "invalid_option"),
+        ("/sessions", {"chat_template_kwargs": {"tools": []}}, 400, "invalid_option"),
+        ("/sessions", {"chat_template_kwargs": {"x": "y" * 5000}}, 400, "invalid_option"),
         ("/sessions/x/complete", {"reward": "great"}, 404, "trial_not_found"),
     ],
 )
 async def test_session_api_errors(
     stack: RunningProxy, http: aiohttp.ClientSession, path: str, body: Any, status: int, code: str
 ) -> None:
-    """The session API validates its input the same way."""
+    """The session API validates its input the same way, and a refused registration
+    registers nothing."""
+    before = len(stack.app[SESSIONS])
     got, payload, _ = await _post(http, f"{stack.url}{path}", body)
     assert got == status
     assert payload["error"]["code"] == code
+    assert len(stack.app[SESSIONS]) == before
 
 
 async def test_duplicate_trial_id_is_409(

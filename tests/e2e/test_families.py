@@ -315,3 +315,100 @@ async def test_bad_reasoning_input_is_refused_and_changes_nothing(
         else:
             assert error["error"]["message"]
         assert await proxy.get_session(trial.trial_id) == before
+
+
+# ------------------------------------------------------------------ session options
+
+
+@pytest.mark.parametrize(
+    ("family", "options", "send_back", "reasons"),
+    [
+        # Qwen3 with thinking off: the generation prompt closes an empty think block and
+        # the model answers directly (written here in Qwen2.5's markup, which is Qwen3's
+        # without the think block).
+        ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, True, ["continued"] * 2),
+        # History as the template renders it: Qwen2.5's rendering is what was sampled, so
+        # it still continues; Qwen3 keeps reasoning after the last query only when it is
+        # sent back, else every later turn is its own trajectory.
+        ("qwen25", {"history": "template"}, True, ["continued"] * 2),
+        ("qwen3", {"history": "template"}, True, ["continued"] * 2),
+        ("qwen3", {"history": "template"}, False, ["template_rewrote_history"] * 2),
+    ],
+    ids=["qwen3-thinking-off", "qwen25-template", "qwen3-template-sent", "qwen3-template-dropped"],
+)
+async def test_session_options_on_real_templates(
+    family_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+    family: str,
+    options: dict[str, Any],
+    send_back: bool,
+    reasons: list[str],
+) -> None:
+    """``chat_template_kwargs`` reach every rendering of the session (probes included) and
+    ``history: "template"`` records exactly what the template renders: continued where that
+    extends the recorded context, a new trajectory where it does not; fidelity holds."""
+    running, engines = family_stack
+    engine = engines[family]
+    thinking_off = "chat_template_kwargs" in options
+    sample = FAMILIES["qwen25" if thinking_off else family].sample
+    engine.prompts.clear()
+    engine.sampled.clear()
+    engine.script(*(sample(r, c, calls) for r, c, calls in SCRIPT))
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model=family, **options)
+        summary = await proxy.get_session(trial.trial_id)
+        await _chat(trial.base_url, trial.api_key, family, False, send_back)
+        export = await proxy.trajectories(trial.trial_id)
+    assert summary["history"] == options.get("history", "keep")
+    assert summary["chat_template_kwargs"] == options.get("chat_template_kwargs", {})
+    turns = sorted(
+        (t for traj in export["trajectories"] for t in traj["turns"]), key=lambda t: t["turn"]
+    )
+    unique = list({t["turn"]: t for t in turns}.values())
+    assert [t["branch_reason"] for t in unique] == ["new_session", *reasons]
+    assert len(export["trajectories"]) == (1 if reasons[0] == "continued" else 3)
+    if thinking_off:  # full renderings and continuations alike
+        for prompt in engine.prompts:
+            text = engine.tokenizer.decode(prompt)
+            assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    report = check_fidelity(export, engine.scorer.score)
+    assert report.ok(), report
+
+
+async def test_deepseek_v31_thinking_on_through_the_session_option(
+    family_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+) -> None:
+    """DeepSeek-V3.1 with ``{"thinking": true}``: the generation prompt opens the think
+    block, the reply's reasoning comes back as ``reasoning_content``, and the next user turn
+    continues the chain (history drops the reasoning; the chain keeps it)."""
+    running, engines = family_stack
+    engine = engines["deepseek_v31"]
+    engine.prompts.clear()
+    engine.sampled.clear()
+    engine.script(
+        "Two plus two.</think>It is 4.<｜end▁of▁sentence｜>",
+        "Double it.</think>It is 8.<｜end▁of▁sentence｜>",
+    )
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(
+            model="deepseek_v31", chat_template_kwargs={"thinking": True}
+        )
+        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "2+2?"}]
+            seen = []
+            for follow_up in ["And doubled?", None]:
+                reply = await client.chat.completions.create(
+                    model="deepseek_v31", messages=messages
+                )
+                message = reply.choices[0].message
+                seen.append(((message.model_extra or {}).get("reasoning_content"), message.content))
+                if follow_up:
+                    messages += [
+                        {"role": "assistant", "content": message.content},
+                        {"role": "user", "content": follow_up},
+                    ]
+        export = await proxy.trajectories(trial.trial_id)
+    assert seen == [("Two plus two.", "It is 4."), ("Double it.", "It is 8.")]
+    assert engine.tokenizer.decode(engine.prompts[0]).endswith("<｜Assistant｜><think>")
+    (trajectory,) = export["trajectories"]
+    assert [t["branch_reason"] for t in trajectory["turns"]] == ["new_session", "continued"]
+    assert check_fidelity(export, engine.scorer.score).ok()

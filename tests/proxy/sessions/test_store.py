@@ -12,7 +12,14 @@ import pytest
 
 from proxy.exceptions import StorageError
 from proxy.sessions.model import CompletedBy, Session, SessionState, TrialId, TurnMeta, TurnNode
-from proxy.sessions.store import DB_NAME, SessionStore, decode_array, encode_array
+from proxy.sessions.options import HistoryPolicy, SessionOptions
+from proxy.sessions.store import (
+    DB_NAME,
+    SCHEMA_VERSION,
+    SessionStore,
+    decode_array,
+    encode_array,
+)
 
 
 def _meta(reason: str, **extra: str | int | float) -> TurnMeta:
@@ -233,3 +240,43 @@ async def test_writes_after_close_are_refused(tmp_path: Path) -> None:
     await store.close()
     with pytest.raises(StorageError, match="closed"):
         store.save_session(Session(TrialId("t"), "k"))
+
+
+async def test_options_round_trip(tmp_path: Path) -> None:
+    """A session's options (history policy, template variables) reload as they were."""
+    s = Session(
+        TrialId("trial-o"),
+        "rr-trial-o.x",
+        options=SessionOptions(HistoryPolicy.TEMPLATE, {"enable_thinking": False}),
+    )
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    await store.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    assert loaded.options == s.options
+
+
+async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
+    """A store written before session options existed opens: its sessions get the default
+    options, its turns are intact, and the file is at the current version after."""
+    store = await SessionStore.open(tmp_path)
+    s = _tree()
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)  # back to the version 1 layout
+    db.execute("ALTER TABLE sessions DROP COLUMN options")
+    db.execute("UPDATE relay_meta SET value='1' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    assert loaded.options == SessionOptions()
+    assert json.dumps(loaded.export()) == json.dumps(s.export())
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
+    db.close()
+    assert int(version) == SCHEMA_VERSION == 2

@@ -1,0 +1,45 @@
+"""Session options: validated once at registration, with errors that name the problem."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.exceptions import BadRequestError
+from proxy.sessions.options import HistoryPolicy, SessionOptions, validate_options
+
+
+def test_defaults_keep_history_and_add_no_variables() -> None:
+    assert validate_options(None, None) == SessionOptions(HistoryPolicy.KEEP, {})
+
+
+def test_valid_options_round_trip_through_their_dict() -> None:
+    options = validate_options("template", {"enable_thinking": False, "effort": "high"})
+    assert options.history is HistoryPolicy.TEMPLATE
+    assert options.as_dict() == {
+        "history": "template",
+        "chat_template_kwargs": {"enable_thinking": False, "effort": "high"},
+    }
+    assert SessionOptions.from_dict(options.as_dict()) == options
+    assert SessionOptions.from_dict({}) == SessionOptions()
+
+
+@pytest.mark.parametrize(
+    ("history", "kwargs", "message"),
+    [
+        ("forget", None, "history must be one of: keep, template"),
+        (3, None, "history must be one of"),
+        (None, ["enable_thinking"], "must be an object"),
+        (None, {"add_generation_prompt": False}, "may not set ['add_generation_prompt']"),
+        (None, {"messages": []}, "may not set ['messages']"),
+        (None, {"blob": "x" * 5000}, "over 4096 bytes"),
+    ],
+)
+def test_bad_options_are_refused_with_a_clear_message(
+    history: Any, kwargs: Any, message: str
+) -> None:
+    with pytest.raises(BadRequestError) as info:
+        validate_options(history, kwargs)
+    assert info.value.code == "invalid_option"
+    assert message in str(info.value)
