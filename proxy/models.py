@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.chat.renderer import ChatRenderer
+from proxy.chat.template_check import ShapeResult, check_template, summary_line
 from proxy.exceptions import NotFoundError, ProxyError
 from relay import protocol
 from relay.endpoint import AdmissionRefused
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +31,8 @@ class ServedModel:
     digest: str
     max_model_len: int
     renderer: ChatRenderer
+    # The template's handling of agents' conversation shapes (proxy.chat.template_check).
+    template_check: tuple[ShapeResult, ...] = ()
 
 
 def tokenizer_digest(files: dict[str, bytes]) -> str:
@@ -56,7 +62,9 @@ class ModelRegistry:
                         )
                     continue
                 try:
-                    renderer = await asyncio.to_thread(self._load, digest, info.tokenizer_files)
+                    renderer, checked = await asyncio.to_thread(
+                        self._load, digest, info.tokenizer_files
+                    )
                 except ProxyError as exc:
                     raise AdmissionRefused(f"model {info.name!r}: {exc.message}") from None
                 except (OSError, ValueError) as exc:
@@ -64,10 +72,18 @@ class ModelRegistry:
                         f"model {info.name!r}: cannot load tokenizer: {exc}"
                     ) from None
                 self.models[info.name] = ServedModel(
-                    info.name, digest, info.max_model_len, renderer
+                    info.name, digest, info.max_model_len, renderer, tuple(checked)
+                )
+                broken = any(r.result != "continued" for r in checked)
+                log.log(
+                    logging.WARNING if broken else logging.INFO,
+                    "model %s (tool calls: %s): template check: %s",
+                    info.name,
+                    renderer.parser.name,
+                    summary_line(checked),
                 )
 
-    def _load(self, digest: str, files: dict[str, bytes]) -> ChatRenderer:
+    def _load(self, digest: str, files: dict[str, bytes]) -> tuple[ChatRenderer, list[ShapeResult]]:
         target = self.cache_dir / "tokenizers" / digest
         if not target.is_dir():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +96,8 @@ class ModelRegistry:
                 os.replace(staging, target)
             except OSError:  # another loader won the race
                 pass
-        return ChatRenderer.from_directory(target, tool_parser=self.tool_parser)
+        renderer = ChatRenderer.from_directory(target, tool_parser=self.tool_parser)
+        return renderer, check_template(renderer)
 
     def resolve(self, requested: str, session_model: str | None, served: set[str]) -> ServedModel:
         """Map the model name an agent sent to a served model.

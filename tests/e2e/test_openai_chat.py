@@ -12,6 +12,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.appkeys import POOL
+from proxy.chat.template_check import SHAPES
 from proxy.embedded import RunningProxy
 from sdk.client import ProxyClient
 from sdk.demo import TOOLS
@@ -113,6 +114,22 @@ async def test_models_endpoint_lists_served_model(
         models = await client.models.list()
     assert [m.id for m in models.data] == sorted(stack.app[POOL].served_models())
     assert len(models.data) == 1
+
+
+async def test_models_endpoint_shows_the_template_check(
+    stack: RunningProxy, proxy_client: ProxyClient
+) -> None:
+    """Each served model says which tool-call format its template teaches and what the
+    template does to every conversation shape agents produce (all continue on the tiny
+    model's template)."""
+    trial = await proxy_client.create_session()
+    async with _client(trial.base_url, trial.api_key) as client:
+        models = await client.models.list()
+    (model,) = models.data
+    extra = model.model_extra or {}
+    assert extra["tool_call_format"] == "hermes"
+    shapes = {c["shape"]: c["result"] for c in extra["template_check"]}
+    assert shapes == {s.name: "continued" for s in SHAPES}
 
 
 async def test_health_and_readiness(stack: RunningProxy, proxy_client: ProxyClient) -> None:

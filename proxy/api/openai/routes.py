@@ -14,7 +14,7 @@ from proxy.api.openai import completions
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import ChatCompletionRequest
 from proxy.api.sse import EventStream
-from proxy.appkeys import POOL, SERVICE, SESSIONS
+from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
@@ -200,15 +200,21 @@ async def list_models(request: web.Request) -> web.Response:
     request.app[SESSIONS].get(request.match_info["trial_id"])
     now = int(time.time())
     models = sorted(request.app[POOL].served_models())
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": now, "owned_by": "rollout-relay"}
-                for name in models
-            ],
+    known = request.app[MODELS].models
+    data = []
+    for name in models:
+        entry: dict[str, Any] = {
+            "id": name,
+            "object": "model",
+            "created": now,
+            "owned_by": "rollout-relay",
         }
-    )
+        served = known.get(name)
+        if served is not None:
+            entry["tool_call_format"] = served.renderer.parser.name
+            entry["template_check"] = [r.as_dict() for r in served.template_check]
+        data.append(entry)
+    return json_response({"object": "list", "data": data})
 
 
 def add_routes(app: web.Application) -> None:
