@@ -13,8 +13,9 @@ The vocabulary is a file shipped inside an installed Python package (read from t
 package's files, never downloaded): a ``tokenizer.json``, or (``"format": "quicktok"``) the
 byte-level BPE ranks of a tiktoken encoding as ``quicktok-v1`` ships them (``.vocab``:
 u32 count, then per token u16 length, its bytes, u32 rank; ``.special``: u32 count, then
-per token u32 id, u16 length, its text), with the encoding's split ``pattern``; transformers'
-``TikTokenConverter`` turns those into a fast tokenizer. ``added_tokens`` entries with an ``id`` must
+per token u32 id, u16 length, its text; ``renamed_specials`` gives some ids another name),
+with the encoding's split ``pattern``; transformers' ``TikTokenConverter`` turns those into
+a fast tokenizer. ``added_tokens`` entries with an ``id`` must
 land on exactly that id (the family's real numbering); entries without one are appended
 after the vocabulary (families whose own vocabulary is not available: their special
 tokens are still single tokens, so the template's structure is what the model sees).
@@ -103,6 +104,9 @@ class Family:
 
         backend = _Ranks(vocab_file="", pattern=source["pattern"]).converted()  # type: ignore[no-untyped-call]
         specials = _quicktok_specials(self._package_file("specials").read_bytes())
+        # A later release of the family that named some reserved tokens (Llama 3.1's
+        # <|eom_id|> and <|python_tag|> on Llama 3's reserved ids).
+        specials |= {int(k): v for k, v in source.get("renamed_specials", {}).items()}
         for token_id, text in sorted(specials.items()):
             if token_id != backend.get_vocab_size(with_added_tokens=True):
                 raise FamilyError(f"family {self.name}: special {text} is not contiguous")

@@ -26,13 +26,39 @@ def gpt_oss() -> Any:
     return Family.load(FIXTURES / "gpt_oss").tokenizer()
 
 
-def test_gpt_oss_vocabulary_matches_the_reference_encoder(gpt_oss: Any) -> None:
-    """The o200k_harmony tokenizer written from quicktok's ranks encodes exactly as
-    quicktok's own (tiktoken-identical) o200k_harmony encoder, special tokens included."""
-    reference = quicktok.get_encoding("o200k_harmony")
-    for text in [*TEXTS, "<|start|>assistant<|channel|>final<|message|>hi<|return|>"]:
-        ours = gpt_oss.encode(text, add_special_tokens=False)
+@pytest.mark.parametrize(
+    ("family", "encoding", "specials"),
+    [
+        ("gpt_oss", "o200k_harmony", "<|start|>assistant<|channel|>final<|message|>hi<|return|>"),
+        ("llama31", "llama3", "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"),
+    ],
+)
+def test_vocabulary_matches_the_reference_encoder(
+    family: str, encoding: str, specials: str
+) -> None:
+    """A tokenizer written from quicktok's ranks encodes exactly as quicktok's own
+    (tiktoken-identical) encoder of that vocabulary, special tokens included."""
+    tokenizer = Family.load(FIXTURES / family).tokenizer()
+    reference = quicktok.get_encoding(encoding)
+    for text in [*TEXTS, specials]:
+        ours = tokenizer.encode(text, add_special_tokens=False)
         assert ours == reference.encode(text, allowed_special="all"), text
+
+
+def test_llama_31_names_its_reserved_tokens() -> None:
+    """Llama 3.1's tool-use tokens sit on the ids Llama 3 had reserved for them."""
+    tokenizer = Family.load(FIXTURES / "llama31").tokenizer()
+    found = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in ["<|begin_of_text|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    }
+    assert found == {
+        "<|begin_of_text|>": 128000,
+        "<|eom_id|>": 128008,
+        "<|eot_id|>": 128009,
+        "<|python_tag|>": 128010,
+    }
+    assert len(tokenizer) == 128256
 
 
 def test_gpt_oss_special_tokens_have_their_ids(gpt_oss: Any) -> None:
