@@ -246,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out_dir", type=Path)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-imprint", action="store_true", help="pure random weights")
+    t.add_argument(
+        "--family",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="a model family's folder (chat_template.jinja + family.json, e.g. "
+        "tests/fixtures/families/qwen3): tiny weights on that family's vocabulary and template",
+    )
 
     u = sub.add_parser("up", help="proxy + in-process hf worker on the tiny model")
     _proxy_args(u, 8080)
@@ -489,9 +497,17 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             asyncio.run(_run_worker(args))
         elif args.command == "tiny-model":
+            from worker_client.families import FamilyError, write_family_model
             from worker_client.tiny_model import write_tiny_model
 
-            path = write_tiny_model(args.out_dir, seed=args.seed, imprint=not args.no_imprint)
+            if args.family is not None:
+                try:
+                    path = write_family_model(args.out_dir, args.family, seed=args.seed)
+                except FamilyError as exc:
+                    print(f"rollout-relay tiny-model: {exc}", file=sys.stderr)
+                    return 2
+            else:
+                path = write_tiny_model(args.out_dir, seed=args.seed, imprint=not args.no_imprint)
             print(f"wrote tiny model to {path}")
         elif args.command == "up":
             _warn_open("`rollout-relay up`", args.host)

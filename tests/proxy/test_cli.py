@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from proxy.cli import _secured_config, build_parser
+import pytest
+from transformers import AutoTokenizer
+
+from proxy.cli import _secured_config, build_parser, main
+from tests.families import FIXTURES
 
 
 @pytest.fixture(autouse=True)
@@ -96,3 +100,17 @@ def test_event_loop_defaults_to_uvloop_and_runs_either() -> None:
     _run_loop(record(), "uvloop")
     _run_loop(record(), "asyncio")
     assert seen == ["uvloop", "asyncio"]
+
+
+def test_tiny_model_for_a_family_and_a_bad_family_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tiny-model --family FOLDER`` writes a model on that family's tokenizer and
+    template; a folder that is not a family is refused with exit 2 and the reason."""
+    out = tmp_path / "kimi"
+    assert main(["tiny-model", str(out), "--family", str(FIXTURES / "kimi_k2")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer.chat_template == (FIXTURES / "kimi_k2" / "chat_template.jinja").read_text()
+    assert tokenizer.convert_tokens_to_ids("<|tool_call_begin|>") is not None
+    assert main(["tiny-model", str(tmp_path / "x"), "--family", str(tmp_path)]) == 2
+    assert "no readable family.json" in capsys.readouterr().err
