@@ -35,6 +35,7 @@ from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
+from proxy.sessions.options import CapFinish
 from proxy.sessions.store import SessionStore
 from proxy.toolcalls import (
     ContentDelta,
@@ -447,6 +448,8 @@ class TurnService:
         call = prepared.call
         dispatched = call.started_at or prepared.started
         finish = finished.finish_reason if finished is not None else "abort"
+        asked = prepared.request.sampling.max_tokens
+        capped = finish == "length" and (asked is None or prepared.sampling.max_tokens < asked)
         node = TurnNode(
             index=len(session.nodes),
             parent=plan.parent,
@@ -476,6 +479,7 @@ class TurnService:
                 reasoning_returned=sum(
                     1 for m in prepared.request.messages if m.role == "assistant" and m.reasoning
                 ),
+                capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
             ),
         )
@@ -500,7 +504,10 @@ class TurnService:
             model=prepared.served.name,
             content=parsed.content,
             tool_calls=tool_calls,
-            finish_reason=finish,
+            # What the agent is told; the record above keeps "length" (session cap_finish).
+            finish_reason="stop"
+            if capped and session.options.cap_finish is CapFinish.STOP
+            else finish,
             prompt_tokens=len(plan.prompt_ids),
             completion_tokens=len(ids),
             stop_sequence=stop_sequence,

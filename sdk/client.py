@@ -94,15 +94,18 @@ class ProxyClient(HttpClient):
         model: str | None = None,
         history: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        cap_finish: str | None = None,
     ) -> TrialSession:
-        """Register a trial. ``history`` (``"keep"``, the default, or ``"template"``) and
-        ``chat_template_kwargs`` are session options: see the README's history policy."""
+        """Register a trial. ``history`` (``"keep"``, the default, or ``"template"``),
+        ``chat_template_kwargs`` and ``cap_finish`` (``"length"``, the default, or
+        ``"stop"``) are session options: see the README."""
         payload: dict[str, Any] = {"metadata": metadata or {}}
         options = {
             "sampling": sampling,
             "model": model,
             "history": history,
             "chat_template_kwargs": chat_template_kwargs,
+            "cap_finish": cap_finish,
         }
         payload.update({k: v for k, v in options.items() if v is not None})
         if trial_id is not None:

@@ -48,13 +48,16 @@ class ScriptedEngine:
         if callable(reply):
             reply = reply(self.tokenizer.decode(list(prompt_ids)))  # type: ignore[attr-defined]
         ids = self.tokenizer.encode(reply, add_special_tokens=False)  # type: ignore[attr-defined]
+        # A reply longer than the request's max_tokens is cut there, as an engine cuts it.
+        finish = FinishReason.LENGTH if len(ids) > sampling.max_tokens else FinishReason.STOP
+        ids = ids[: sampling.max_tokens]
         self.prompts.append(list(prompt_ids))
         self.sampled.append(ids)
         logprobs = self.scorer.score(prompt_ids, ids)
         for at in range(0, len(ids) - 3, 3):  # streamed in small chunks, as an engine does
             yield TokenChunk(ids[at : at + 3], logprobs[at : at + 3])
         tail = (len(ids) - 1) // 3 * 3 if len(ids) > 3 else 0
-        yield TokenChunk(ids[tail:], logprobs[tail:], FinishReason.STOP)
+        yield TokenChunk(ids[tail:], logprobs[tail:], finish)
 
     async def abort(self, request_id: str) -> None:
         return None

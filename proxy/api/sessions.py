@@ -26,6 +26,7 @@ class CreateSession(BaseModel):
     # Session options (proxy.sessions.options), validated there for clear errors.
     history: Any = None
     chat_template_kwargs: Any = None
+    cap_finish: Any = None
 
 
 class CompleteSession(BaseModel):
@@ -62,7 +63,7 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
         metadata=spec.metadata,
         sampling=validate_session_sampling(spec.sampling),
         model=spec.model,
-        options=validate_options(spec.history, spec.chat_template_kwargs),
+        options=validate_options(spec.history, spec.chat_template_kwargs, spec.cap_finish),
     )
     try:
         await registry.save(session)

@@ -75,6 +75,8 @@ class TurnMeta(msgspec.Struct, gc=False):
     # the agent does with reasoning: under the default history policy the context keeps
     # the sampled reasoning either way).
     reasoning_returned: int = 0
+    # Stopped by a max_tokens the agent did not ask for (the session's or the proxy's).
+    capped: bool = False
     extra: dict[str, str | int | float] = {}  # msgspec gives each turn its own dict
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,6 +97,7 @@ class TurnMeta(msgspec.Struct, gc=False):
             "stop_sequence": self.stop_sequence,
             "tool_choice_unmet": self.tool_choice_unmet,
             "reasoning_returned": self.reasoning_returned,
+            "capped": self.capped,
             "extra": self.extra,
         }
 

@@ -11,6 +11,16 @@
     that does not start with the earlier turn's: that turn starts its own trajectory
     (``branch_reason: "template_rewrote_history"``); the model saw exactly that context.
 
+* ``cap_finish``: what the agent is told when a reply stops at a cap it did not ask for
+  (the session's or the proxy's ``max_tokens``, smaller than the agent's own limit).
+
+  - ``"length"`` (the default): the API's length finish (``length``, ``max_tokens``,
+    ``incomplete``), as for the agent's own limit. Claude Code and Codex then fail the run.
+  - ``"stop"``: a normal end of turn (``stop`` / ``tool_calls``, ``end_turn``,
+    ``completed``); the agent goes on with what it got.
+
+  Either way the turn's record keeps ``finish_reason: "length"`` and ``capped: true``.
+
 * ``chat_template_kwargs``: extra variables for the chat template on every rendering of
   the session (Qwen3's ``{"enable_thinking": false}``, DeepSeek-V3.1's
   ``{"thinking": true}``, gpt-oss's ``{"reasoning_effort": "high"}``).
@@ -22,7 +32,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.exceptions import BadRequestError
 
@@ -54,15 +64,22 @@ class HistoryPolicy(Enum):
     TEMPLATE = "template"
 
 
+class CapFinish(Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
 @dataclass(frozen=True, slots=True)
 class SessionOptions:
     history: HistoryPolicy = HistoryPolicy.KEEP
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    cap_finish: CapFinish = CapFinish.LENGTH
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "history": self.history.value,
             "chat_template_kwargs": dict(self.chat_template_kwargs),
+            "cap_finish": self.cap_finish.value,
         }
 
     @classmethod
@@ -71,21 +88,30 @@ class SessionOptions:
         return cls(
             HistoryPolicy(raw.get("history", HistoryPolicy.KEEP.value)),
             dict(raw.get("chat_template_kwargs") or {}),
+            CapFinish(raw.get("cap_finish", CapFinish.LENGTH.value)),
         )
 
 
-def validate_options(history: Any, chat_template_kwargs: Any) -> SessionOptions:
+E = TypeVar("E", HistoryPolicy, CapFinish)
+
+
+def _choice(kind: type[E], name: str, value: Any, default: E) -> E:
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(str(p.value) for p in kind)
+        raise BadRequestError(f"{name} must be one of: {allowed}", code="invalid_option") from None
+
+
+def validate_options(
+    history: Any, chat_template_kwargs: Any, cap_finish: Any = None
+) -> SessionOptions:
     """The options of a session-creation request; BadRequestError (``invalid_option``)
     names what is wrong."""
-    policy = HistoryPolicy.KEEP
-    if history is not None:
-        try:
-            policy = HistoryPolicy(history)
-        except ValueError:
-            allowed = ", ".join(p.value for p in HistoryPolicy)
-            raise BadRequestError(
-                f"history must be one of: {allowed}", code="invalid_option"
-            ) from None
+    policy = _choice(HistoryPolicy, "history", history, HistoryPolicy.KEEP)
+    cap = _choice(CapFinish, "cap_finish", cap_finish, CapFinish.LENGTH)
     kwargs: dict[str, Any] = {}
     if chat_template_kwargs is not None:
         if not isinstance(chat_template_kwargs, dict):
@@ -102,4 +128,4 @@ def validate_options(history: Any, chat_template_kwargs: Any) -> SessionOptions:
                 code="invalid_option",
             )
         kwargs = dict(chat_template_kwargs)
-    return SessionOptions(policy, kwargs)
+    return SessionOptions(policy, kwargs, cap)

@@ -164,6 +164,7 @@ async def test_no_worker_is_503_with_retry_after(
         ("/sessions", {"sampling": {"temperature": "x"}}, 400, "invalid_sampling"),
         ("/sessions", {"unknown_field": 1}, 400, "invalid_request"),
         ("/sessions", {"history": "forget"}, 400, "invalid_option"),
+        ("/sessions", {"cap_finish": "end_turn"}, 400, "invalid_option"),
         ("/sessions", {"chat_template_kwargs": ["thinking"]}, 400, "invalid_option"),
         ("/sessions", {"chat_template_kwargs": {"tools": []}}, 400, "invalid_option"),
         ("/sessions", {"chat_template_kwargs": {"x": "y" * 5000}}, 400, "invalid_option"),

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.exceptions import BadRequestError
-from proxy.sessions.options import HistoryPolicy, SessionOptions, validate_options
+from proxy.sessions.options import CapFinish, HistoryPolicy, SessionOptions, validate_options
 
 
 def test_defaults_keep_history_and_add_no_variables() -> None:
@@ -15,11 +15,13 @@ def test_defaults_keep_history_and_add_no_variables() -> None:
 
 
 def test_valid_options_round_trip_through_their_dict() -> None:
-    options = validate_options("template", {"enable_thinking": False, "effort": "high"})
+    options = validate_options("template", {"enable_thinking": False, "effort": "high"}, "stop")
     assert options.history is HistoryPolicy.TEMPLATE
+    assert options.cap_finish is CapFinish.STOP
     assert options.as_dict() == {
         "history": "template",
         "chat_template_kwargs": {"enable_thinking": False, "effort": "high"},
+        "cap_finish": "stop",
     }
     assert SessionOptions.from_dict(options.as_dict()) == options
     assert SessionOptions.from_dict({}) == SessionOptions()
@@ -43,3 +45,9 @@ def test_bad_options_are_refused_with_a_clear_message(
         validate_options(history, kwargs)
     assert info.value.code == "invalid_option"
     assert message in str(info.value)
+
+
+def test_cap_finish_must_be_length_or_stop() -> None:
+    assert validate_options(None, None).cap_finish is CapFinish.LENGTH
+    with pytest.raises(BadRequestError, match="cap_finish must be one of: length, stop"):
+        validate_options(None, None, "end_turn")
