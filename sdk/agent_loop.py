@@ -40,7 +40,7 @@ from sdk.exceptions import (
     SessionNotFoundError,
     TaskServerTimeoutError,
 )
-from sdk.samples import BranchPolicy, Sample, build_samples
+from sdk.samples import BranchPolicy, OverlongPrompt, Sample, SharedTurns, build_samples
 from sdk.taskserver.base import RunHandle, RunResult, RunSpec, RunStatus, TaskServer
 
 
@@ -64,8 +64,8 @@ class AgentLoopConfig:
 
     ``agent``/``model``/``agent_settings`` go to the task server; ``sampling`` (temperature,
     top_p, top_k, seed, max_tokens) is the trial's sampling on the proxy, which overrides
-    what the agent asks for. ``branch_policy``: see ``sdk.samples``. ``max_prompt_tokens`` /
-    ``max_response_tokens`` truncate with explicit flags on the sample.
+    what the agent asks for. ``branch_policy``, ``shared_turns``, ``max_prompt_tokens`` /
+    ``max_response_tokens`` and ``overlong_prompt``: see ``sdk.samples``.
     """
 
     agent: str
@@ -76,6 +76,8 @@ class AgentLoopConfig:
     reward_key: str | None = None
     max_prompt_tokens: int | None = None
     max_response_tokens: int | None = None
+    shared_turns: SharedTurns = SharedTurns.ONCE
+    overlong_prompt: OverlongPrompt = OverlongPrompt.DROP
     sampling: Mapping[str, Any] | None = None
     agent_settings: Mapping[str, Any] = field(default_factory=dict)
     # A finished run without any reward: retry it (True) or keep its samples unrewarded.
@@ -87,6 +89,8 @@ class AgentLoopConfig:
         if self.timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
         object.__setattr__(self, "branch_policy", BranchPolicy(self.branch_policy))
+        object.__setattr__(self, "shared_turns", SharedTurns(self.shared_turns))
+        object.__setattr__(self, "overlong_prompt", OverlongPrompt(self.overlong_prompt))
 
 
 @dataclass(slots=True)
@@ -221,9 +225,16 @@ class RemoteAgentLoop:
                 reward_key=cfg.reward_key,
                 max_prompt_tokens=cfg.max_prompt_tokens,
                 max_response_tokens=cfg.max_response_tokens,
+                shared_turns=cfg.shared_turns,
+                overlong_prompt=cfg.overlong_prompt,
             )
             if not samples:
-                attempt.error = "the agent made no model call through the proxy"
+                attempt.error = (
+                    f"every trajectory's prompt is over max_prompt_tokens="
+                    f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"
+                    if export.get("trajectories")
+                    else "the agent made no model call through the proxy"
+                )
                 return None
             attempt.advance(AttemptState.COLLECTED)
             timings = {

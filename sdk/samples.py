@@ -6,9 +6,29 @@ Policies for a session tree with several branches:
 * ``longest``: only the trajectory with the most sampled tokens.
 * ``last``: only the trajectory that ends with the most recent turn.
 
+With ``all``, a turn before a fork belongs to several trajectories. ``shared_turns``
+decides how often its sampled tokens are trained:
+
+* ``once`` (default): in exactly one of them, the trajectory with the most sampled tokens
+  among those containing the turn (the earliest in export order on a tie); in the others
+  the turn stays as context with mask 0. Every sampled token of the episode is then
+  trained exactly once.
+* ``each``: with mask 1 in every trajectory that contains it (a shared prefix is trained
+  as many times as there are branches after it).
+
 A reward given as a dict of named components is reduced to one number by ``reward_key``
-(a component name) or, by default, their sum. Length limits truncate explicitly: a
-truncated sample says so in ``prompt_truncated`` / ``response_truncated``.
+(a component name) or, by default, their sum.
+
+Length limits: a response longer than ``max_response_tokens`` is cut at its end (the
+logprobs of what remains were computed on exactly that prefix) and says so in
+``response_truncated``. A prompt longer than ``max_prompt_tokens`` is never cut and
+trained: its recorded logprobs were computed on the whole prompt, not on what would be
+left. ``overlong_prompt`` says what happens instead:
+
+* ``drop`` (default): no sample.
+* ``mask``: a sample that trains nothing (mask all 0), its prompt cut to the last
+  ``max_prompt_tokens`` ids so it fits; ``prompt_truncated`` says so. For trainers that
+  need one sample per rollout (the verl adapter).
 """
 
 from __future__ import annotations
@@ -22,6 +42,16 @@ class BranchPolicy(enum.StrEnum):
     ALL = "all"
     LONGEST = "longest"
     LAST = "last"
+
+
+class SharedTurns(enum.StrEnum):
+    ONCE = "once"
+    EACH = "each"
+
+
+class OverlongPrompt(enum.StrEnum):
+    DROP = "drop"
+    MASK = "mask"
 
 
 @dataclass(slots=True)
@@ -68,6 +98,8 @@ def build_samples(
     reward_key: str | None = None,
     max_prompt_tokens: int | None = None,
     max_response_tokens: int | None = None,
+    shared_turns: SharedTurns = SharedTurns.ONCE,
+    overlong_prompt: OverlongPrompt = OverlongPrompt.DROP,
 ) -> list[Sample]:
     trajectories: list[dict[str, Any]] = export.get("trajectories", [])
     if not trajectories:
@@ -77,6 +109,7 @@ def build_samples(
         chosen = [max(chosen, key=lambda it: sum(it[1]["response_mask"]))]
     elif policy is BranchPolicy.LAST:
         chosen = [max(chosen, key=lambda it: max(t["turn"] for t in it[1]["turns"]))]
+    owners = _owners(trajectories) if shared_turns is SharedTurns.ONCE else None
     reward = scalar_reward(export.get("reward"), reward_key)
     samples: list[Sample] = []
     for branch, traj in chosen:
@@ -84,11 +117,20 @@ def build_samples(
         response = list(traj["response_ids"])
         mask = list(traj["response_mask"])
         logprobs = list(traj["response_logprobs"])
+        if owners is not None:
+            for turn in traj["turns"]:
+                if owners[turn["turn"]] != branch:  # trained in another trajectory
+                    start, end = turn["response_start"], turn["response_end"]
+                    mask[start:end] = [0] * (end - start)
         prompt_truncated = max_prompt_tokens is not None and len(prompt) > max_prompt_tokens
         if prompt_truncated:
             assert max_prompt_tokens is not None
-            # keep the end: it is what the model saw last
+            if overlong_prompt is OverlongPrompt.DROP:
+                continue
+            # Kept so the batch has it, but trains nothing: the cut prompt is not what
+            # the recorded logprobs were computed on.
             prompt = prompt[len(prompt) - max_prompt_tokens :]
+            mask = [0] * len(mask)
         response_truncated = max_response_tokens is not None and len(response) > max_response_tokens
         if response_truncated:
             assert max_response_tokens is not None
@@ -111,3 +153,16 @@ def build_samples(
             )
         )
     return samples
+
+
+def _owners(trajectories: list[dict[str, Any]]) -> dict[int, int]:
+    """Per turn index, the trajectory that trains it: the one with the most sampled tokens
+    among those containing it, the earliest on a tie."""
+    owners: dict[int, int] = {}
+    sampled = [sum(t["response_mask"]) for t in trajectories]
+    for branch, traj in enumerate(trajectories):
+        for turn in traj["turns"]:
+            held = owners.get(turn["turn"])
+            if held is None or sampled[branch] > sampled[held]:
+                owners[turn["turn"]] = branch
+    return owners

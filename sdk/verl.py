@@ -6,9 +6,10 @@ verl (``verl.experimental.agent_loop``) builds one loop object per sample and ca
 returns verl's ``AgentLoopOutput`` for ONE trajectory of the session:
 
 * ``prompt_ids`` / ``response_ids`` / ``response_mask`` / ``response_logprobs``: the exact
-  ids and logprobs the policy sampled, cut to ``rollout.prompt_length`` /
-  ``rollout.response_length`` (verl pads to those; a cut is flagged in ``extra_fields``
-  as ``prompt_truncated`` / ``response_truncated``, never silent);
+  ids and logprobs the policy sampled. A response over ``rollout.response_length`` is cut
+  at its end (``response_truncated``). A prompt over ``rollout.prompt_length`` is cut to
+  fit and the whole sample is loss-masked (``prompt_truncated``): its logprobs were
+  computed on the whole prompt, so it must not train;
 * ``reward_score``: the task server's reward; ``num_turns``: model calls in the trajectory;
 * ``extra_fields``: ``min_global_steps`` / ``max_global_steps`` (verl's own names) and
   ``policy_versions`` (per turn), ``trial_id``, ``attempts``;
@@ -62,7 +63,7 @@ from sdk.agent_loop import AgentLoopConfig, RolloutResult
 from sdk.agent_loop import RemoteAgentLoop as AgentLoopCore
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError
-from sdk.samples import BranchPolicy, Sample
+from sdk.samples import BranchPolicy, OverlongPrompt, Sample
 from sdk.taskserver.base import TaskServer
 
 AGENT_NAME = "remote_agent"
@@ -308,6 +309,8 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
                 reward_key=settings.reward_key,
                 max_prompt_tokens=prompt_length,
                 max_response_tokens=response_length,
+                # verl needs one output per row: an overlong prompt trains nothing instead.
+                overlong_prompt=OverlongPrompt.MASK,
                 sampling=trial_sampling(
                     sampling_params, response_length, settings.max_tokens_per_call
                 ),

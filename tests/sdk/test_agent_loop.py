@@ -157,17 +157,32 @@ async def test_length_limits_flag_truncation(
     local_task_server: LocalTaskServer,
     harbor_task: Path,
 ) -> None:
-    """Prompt and response limits cut the sample and say so; the policy keeps one branch."""
+    """Limits say what they did: a long response is cut at its end; a long prompt is kept
+    whole nowhere: with ``overlong_prompt="mask"`` the sample is cut to fit and trains
+    nothing, by default the attempt has no sample and says why."""
     loop = RemoteAgentLoop(
         proxy_client,
         local_task_server,
-        _config(max_prompt_tokens=4, max_response_tokens=3, branch_policy="longest"),
+        _config(
+            max_prompt_tokens=4,
+            max_response_tokens=3,
+            branch_policy="longest",
+            overlong_prompt="mask",
+        ),
     )
     result = await loop.run(harbor_task)
     (sample,) = result.samples
     assert loop.config.branch_policy is BranchPolicy.LONGEST
     assert len(sample.prompt_ids) == 4
     assert sample.prompt_truncated
+    assert sample.response_mask == [0, 0, 0]
     assert len(sample.response_ids) == 3
     assert sample.response_truncated
     assert len(sample.response_mask) == len(sample.response_logprobs) == 3
+
+    dropping = RemoteAgentLoop(
+        proxy_client, local_task_server, _config(max_prompt_tokens=4, max_attempts=1)
+    )
+    with pytest.raises(RemoteAgentLoopError) as failed:
+        await dropping.run(harbor_task)
+    assert "over max_prompt_tokens=4" in str(failed.value)

@@ -2,32 +2,36 @@
 
 from __future__ import annotations
 
+from array import array
+from collections import Counter
 from typing import Any
 
 import pytest
 
-from sdk.samples import BranchPolicy, build_samples, scalar_reward
+from proxy.sessions.model import Session, TrialId, TurnMeta, TurnNode
+from sdk.samples import BranchPolicy, OverlongPrompt, SharedTurns, build_samples, scalar_reward
 
 
 def _traj(
-    prompt: list[int], response: list[int], mask: list[int], turns: list[int]
+    prompt: list[int], response: list[int], mask: list[int], turns: list[tuple[int, int, int]]
 ) -> dict[str, Any]:
     return {
         "prompt_ids": prompt,
         "response_ids": response,
         "response_mask": mask,
         "response_logprobs": [-0.1 if m else 0.0 for m in mask],
-        "turns": [{"turn": t} for t in turns],
+        "turns": [{"turn": t, "response_start": a, "response_end": b} for t, a, b in turns],
     }
 
 
+# Turn 0 is shared by the first and the last trajectory (a fork after it).
 EXPORT = {
     "trial_id": "t1",
     "reward": {"tests": 1.0, "style": 0.5},
     "trajectories": [
-        _traj([1, 2], [3, 4, 5], [1, 0, 1], [0, 1]),
-        _traj([9], [8, 7, 6, 5, 4], [1, 1, 1, 0, 1], [2, 3]),
-        _traj([1, 2], [3, 4, 6], [1, 0, 1], [0, 4]),
+        _traj([1, 2], [3, 4, 5], [1, 0, 1], [(0, 0, 1), (1, 2, 3)]),
+        _traj([9], [8, 7, 6, 5, 4], [1, 1, 1, 0, 1], [(2, 0, 3), (3, 4, 5)]),
+        _traj([1, 2], [3, 4, 6], [1, 0, 1], [(0, 0, 1), (4, 2, 3)]),
     ],
 }
 
@@ -54,20 +58,48 @@ def test_reward_key_selects_a_component() -> None:
     assert scalar_reward(2) == 2.0
 
 
-def test_truncation_is_explicit() -> None:
-    """Length limits cut the sample and flag it; untouched samples are not flagged."""
-    (long,) = build_samples(
-        EXPORT, policy=BranchPolicy.LONGEST, max_response_tokens=2, max_prompt_tokens=0
+def test_a_shared_turn_is_trained_once_by_default() -> None:
+    """Turn 0 is in two trajectories with as many sampled tokens each: the earlier one
+    trains it, the later keeps it as context; ``each`` trains it in both."""
+    once = build_samples(EXPORT)
+    assert [s.response_mask for s in once] == [[1, 0, 1], [1, 1, 1, 0, 1], [0, 0, 1]]
+    each = build_samples(EXPORT, shared_turns=SharedTurns.EACH)
+    assert [s.response_mask for s in each] == [[1, 0, 1], [1, 1, 1, 0, 1], [1, 0, 1]]
+    # The trajectory with more sampled tokens owns a shared turn, whatever its position.
+    longer = dict(
+        EXPORT,
+        trajectories=[
+            *EXPORT["trajectories"][:2],
+            _traj([1, 2], [3, 4, 6, 7], [1, 0, 1, 1], [(0, 0, 1), (4, 2, 4)]),
+        ],
     )
+    assert [s.response_mask for s in build_samples(longer)] == [
+        [0, 0, 1],
+        [1, 1, 1, 0, 1],
+        [1, 0, 1, 1],
+    ]
+
+
+def test_response_truncation_is_explicit() -> None:
+    """A response over the limit is cut at its end and flagged; others are not."""
+    (long,) = build_samples(EXPORT, policy=BranchPolicy.LONGEST, max_response_tokens=2)
     assert long.response_ids == [8, 7]
     assert long.response_mask == [1, 1]
     assert len(long.response_logprobs) == 2
     assert long.response_truncated
-    assert long.prompt_truncated
-    assert long.prompt_ids == []
     (short,) = build_samples(EXPORT, policy=BranchPolicy.LAST, max_response_tokens=10)
     assert not short.response_truncated
     assert not short.prompt_truncated
+
+
+def test_an_overlong_prompt_is_never_cut_and_trained() -> None:
+    """A prompt over ``max_prompt_tokens`` drops its sample by default; with ``mask`` the
+    sample stays, cut to fit, and trains nothing."""
+    assert [s.branch for s in build_samples(EXPORT, max_prompt_tokens=1)] == [1]
+    masked = build_samples(EXPORT, max_prompt_tokens=1, overlong_prompt=OverlongPrompt.MASK)
+    assert [s.prompt_ids for s in masked] == [[2], [9], [2]]
+    assert [s.prompt_truncated for s in masked] == [True, False, True]
+    assert [s.sampled_tokens for s in masked] == [0, 4, 0]
 
 
 def test_empty_export_gives_no_samples() -> None:
@@ -79,3 +111,32 @@ def test_missing_reward_component_raises() -> None:
     """Asking for a component that does not exist is an error, not a silent zero."""
     with pytest.raises(KeyError):
         build_samples(EXPORT, reward_key="nope")
+
+
+def test_a_branched_session_trains_every_sampled_token_exactly_once() -> None:
+    """A real session tree (a fork after the first turn, another after the second): the
+    samples of all its trajectories train each turn's sampled tokens exactly once."""
+    session = Session(TrialId("t"), "key")
+    shape = [(None, 3, 4), (0, 2, 5), (0, 1, 2), (1, 2, 3), (1, 1, 6)]  # parent, context, reply
+    for index, (parent, context, reply) in enumerate(shape):
+        session.add_turn(
+            TurnNode(
+                index=index,
+                parent=parent,
+                context_ids=array("i", [100 + index] * context),
+                completion_ids=array("i", [index] * reply),
+                logprobs=array("f", [-0.5] * reply),
+                prompt_len=context + (session.nodes[parent].end if parent is not None else 0),
+                key=bytes([index]) * 16,
+                meta=TurnMeta("openai.chat", "m", "m", "w", "stop", {}, 0.0, 0.0, 0.0, "x"),
+            )
+        )
+    export = session.export()
+    assert len(export["trajectories"]) == 3
+    trained: Counter[int] = Counter()
+    for sample in build_samples(export):
+        for token, bit in zip(sample.response_ids, sample.response_mask, strict=True):
+            trained[token] += bit
+    assert +trained == {index: reply for index, (_, _, reply) in enumerate(shape)}
+    repeated = sum(s.sampled_tokens for s in build_samples(export, shared_turns=SharedTurns.EACH))
+    assert repeated > sum(reply for _, _, reply in shape)

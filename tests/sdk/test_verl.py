@@ -182,6 +182,16 @@ async def test_remote_agent_returns_faithful_verl_outputs(
             assert float(tensors["rm_scores"][-1]) == 1.0
             assert tensors["rollout_log_probs"].shape == tensors["responses"].shape
         assert outputs[0].extra_fields["trial_id"] != outputs[1].extra_fields["trial_id"]
+
+        # A prompt over rollout.prompt_length: cut to fit, and nothing of it trains (its
+        # logprobs were computed on the whole prompt).
+        short = _trainer_config(tmp_path)
+        short.actor_rollout_ref.rollout.prompt_length = 8
+        output = await _instantiate(entry, short, tokenizer).run(dict(sampling), **row)
+        assert len(output.prompt_ids) == 8
+        assert output.extra_fields["prompt_truncated"] is True
+        assert sum(output.response_mask) == 0
+        assert output.reward_score == 1.0
     finally:
         await scorer.close()
         await sdk.verl.close_shared()
