@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.api import sessions
+from proxy.api import sessions, ui
 from proxy.api.anthropic import routes as anthropic_routes
 from proxy.api.auth import auth_middleware
 from proxy.api.errors import error_middleware, json_response
@@ -89,6 +89,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
     responses_routes.add_routes(app)
+    ui.add_routes(app)
     app.on_shutdown.append(_disconnect_workers)
     return app
 

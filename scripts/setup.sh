@@ -22,3 +22,12 @@ fi
 # mini-swe-agent (the end-to-end third-party agent test) pins openai<3 through litellm,
 # so it gets its own environment under .cache/ instead of the dev extra.
 ./scripts/mswea-env.sh
+# Debian's chromium for the viewer's browser test: Playwright drives it as it is and
+# downloads no browser of its own.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+    else
+        echo "the viewer test needs Debian's chromium: apt-get install chromium" >&2
+    fi
+fi

@@ -1,0 +1,252 @@
+"""The trajectory viewer: a web page at ``/ui/`` for reading sessions as a trainer would.
+
+It lists sessions and shows one as its tree of turns (branch reason, finish reason,
+worker, policy version, timings) and any trajectory as tokens: context and sampled tokens
+told apart, each sampled token's logprob on hover and in its colour. The page polls, so a
+running session is seen live. Its assets ship in the package (``proxy/api/ui_assets``):
+no CDN.
+
+Access is the admin door's. A browser cannot send a bearer token, so the page has a
+login form: the admin token posted there sets an HttpOnly, SameSite=Strict cookie holding
+an expiry and an HMAC of it under the admin token (the token itself never is a cookie;
+changing the token signs everyone out). The data routes under ``/ui/api/`` take that
+cookie or the admin token as a bearer header. Without an admin token configured (``--no-auth``)
+the viewer is open like the rest of the proxy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from proxy.api.errors import json_response
+from proxy.appkeys import CONFIG, MODELS, SESSIONS
+from proxy.auth import presented_credentials, secret_equal
+from proxy.exceptions import AuthenticationError, BadRequestError, NotFoundError
+from proxy.sessions.model import Session, TurnNode
+
+COOKIE = "rr_ui"
+COOKIE_SECONDS = 12 * 3600
+_ASSETS = {
+    "viewer.js": "text/javascript",
+    "viewer.css": "text/css",
+}
+
+
+def _asset(name: str) -> str:
+    return resources.files("proxy.api").joinpath("ui_assets", name).read_text(encoding="utf-8")
+
+
+def _signature(admin_token: str, expires: int) -> str:
+    message = f"rollout-relay viewer {expires}".encode()
+    return hmac.new(admin_token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def make_cookie(admin_token: str, *, now: float | None = None) -> str:
+    expires = int((now if now is not None else time.time()) + COOKIE_SECONDS)
+    return f"{expires}.{_signature(admin_token, expires)}"
+
+
+def cookie_valid(admin_token: str, value: str, *, now: float | None = None) -> bool:
+    expires_text, dot, signature = value.partition(".")
+    if not dot or not expires_text.isdigit():
+        return False
+    expires = int(expires_text)
+    if expires < (now if now is not None else time.time()):
+        return False
+    return secret_equal(_signature(admin_token, expires), signature)
+
+
+def _signed_in(request: web.Request) -> bool:
+    token = request.app[CONFIG].admin_token
+    if not token:
+        return True  # the proxy runs open
+    if any(secret_equal(token, c) for c in presented_credentials(request.headers)):
+        return True
+    return cookie_valid(token, request.cookies.get(COOKIE, ""))
+
+
+def _require(request: web.Request) -> None:
+    if not _signed_in(request):
+        raise AuthenticationError("sign in at /ui/ first", code="not_signed_in")
+
+
+# ---------------------------------------------------------------------- pages
+
+
+async def page(request: web.Request) -> web.Response:
+    name = "viewer.html" if _signed_in(request) else "login.html"
+    status = 200 if name == "viewer.html" else 401
+    return web.Response(text=_asset(name), content_type="text/html", status=status)
+
+
+async def asset(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    kind = _ASSETS.get(name)
+    if kind is None:
+        raise NotFoundError(f"no asset {name!r}", code="not_found")
+    return web.Response(text=_asset(name), content_type=kind)
+
+
+async def login(request: web.Request) -> web.Response:
+    token = request.app[CONFIG].admin_token
+    form = await request.post()
+    given = form.get("token")
+    if token and not (isinstance(given, str) and secret_equal(token, given.strip())):
+        text = _asset("login.html").replace("<!--error-->", "That is not the admin token.")
+        return web.Response(text=text, content_type="text/html", status=401)
+    response = web.HTTPSeeOther("/ui/")
+    if token:
+        response.set_cookie(
+            COOKIE,
+            make_cookie(token),
+            max_age=COOKIE_SECONDS,
+            path="/ui",
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
+    raise response
+
+
+async def logout(request: web.Request) -> web.Response:
+    response = web.HTTPSeeOther("/ui/")
+    response.del_cookie(COOKIE, path="/ui")
+    raise response
+
+
+# ---------------------------------------------------------------------- data
+
+
+def _turn(node: TurnNode) -> dict[str, Any]:
+    meta = node.meta
+    return {
+        "turn": node.index,
+        "parent": node.parent,
+        "branch_reason": meta.branch_reason,
+        "finish_reason": meta.finish_reason,
+        "capped": meta.capped,
+        "truncated": meta.truncated,
+        "api": meta.api,
+        "model": meta.model,
+        "worker_id": meta.worker_id,
+        "policy_version": meta.extra.get("policy_version"),
+        "queue_seconds": round(meta.queue_seconds, 4),
+        "engine_seconds": round(meta.engine_seconds, 4),
+        "prompt_tokens": node.prompt_len,
+        "completion_tokens": len(node.completion_ids),
+        "tool_calls": meta.tool_calls,
+        "created_at": meta.created_at,
+    }
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    _require(request)
+    sessions, _ = request.app[SESSIONS].page(limit=1000, after=None)
+    rows = [
+        {
+            "trial_id": s.trial_id,
+            "status": s.state.value,
+            "model": s.model,
+            "turns": len(s.nodes),
+            "branches": sum(1 for _ in s.leaves()),
+            "reward": s.reward,
+            "updated_at": s.updated_at,
+        }
+        for s in reversed(sessions)  # newest first
+    ]
+    return json_response({"sessions": rows})
+
+
+async def session_tree(request: web.Request) -> web.Response:
+    _require(request)
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    leaves = [
+        {"leaf": leaf.index, "turns": [n.index for n in session.path(leaf.index)]}
+        for leaf in session.leaves()
+    ]
+    return json_response(
+        {
+            "trial_id": session.trial_id,
+            "status": session.state.value,
+            "model": session.model,
+            "reward": session.reward,
+            "options": session.options.as_dict(),
+            "turns": [_turn(n) for n in session.nodes],
+            "trajectories": leaves,
+        }
+    )
+
+
+def _texts(request: web.Request, session: Session, model: str, ids: list[int]) -> list[str]:
+    """Each token's own text (special tokens included); ids when no worker has brought
+    the model's tokenizer."""
+    served = request.app[MODELS].models.get(model) or request.app[MODELS].models.get(
+        session.model or ""
+    )
+    if served is None:
+        return [f"<{i}>" for i in ids]
+    tokenizer = served.renderer.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        texts: list[str] = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return texts
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+async def trajectory_tokens(request: web.Request) -> web.Response:
+    _require(request)
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    try:
+        leaf = int(request.match_info["leaf"])
+    except ValueError:
+        raise BadRequestError(
+            "a trajectory is named by its last turn", code="invalid_request"
+        ) from None
+    if not 0 <= leaf < len(session.nodes):
+        raise NotFoundError(f"no turn {leaf} in {session.trial_id}", code="turn_not_found")
+    trajectory = session.trajectory(session.nodes[leaf])
+    model = session.nodes[leaf].meta.model
+    prompt = trajectory["prompt_ids"]
+    response = trajectory["response_ids"]
+    texts = _texts(request, session, model, prompt + response)
+    return json_response(
+        {
+            "leaf": leaf,
+            "prompt": [[t, i] for t, i in zip(texts, prompt, strict=False)],
+            "response": [
+                [t, i, m, round(lp, 4)]
+                for t, i, m, lp in zip(
+                    texts[len(prompt) :],
+                    response,
+                    trajectory["response_mask"],
+                    trajectory["response_logprobs"],
+                    strict=True,
+                )
+            ],
+            "turns": [
+                {"turn": t["turn"], "start": t["response_start"], "end": t["response_end"]}
+                for t in trajectory["turns"]
+            ],
+        }
+    )
+
+
+async def _to_page(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/ui/")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/ui", _to_page)
+    app.router.add_get("/ui/", page)
+    app.router.add_get("/ui/assets/{name}", asset)
+    app.router.add_post("/ui/login", login)
+    app.router.add_post("/ui/logout", logout)
+    app.router.add_get("/ui/api/sessions", list_sessions)
+    app.router.add_get("/ui/api/sessions/{trial_id}", session_tree)
+    app.router.add_get("/ui/api/sessions/{trial_id}/trajectories/{leaf}", trajectory_tokens)

@@ -1,0 +1,215 @@
+// The trajectory viewer: sessions on the left, the chosen session's tree of turns, and one
+// trajectory's tokens. Everything the model wrote is inserted as text, never as markup.
+"use strict";
+
+const state = { trial: null, leaf: null, turns: [], trajectories: [], shownTurns: -1 };
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key === "text") node.textContent = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+async function getJSON(path) {
+  const response = await fetch(path, { credentials: "same-origin" });
+  if (response.status === 401) {
+    window.location.reload(); // signed out: the page turns into the login form
+    throw new Error("signed out");
+  }
+  if (!response.ok) throw new Error(`${path}: ${response.status}`);
+  return response.json();
+}
+
+function setStatus(text) {
+  document.getElementById("status").textContent = text;
+}
+
+async function refreshSessions() {
+  const data = await getJSON("/ui/api/sessions");
+  const list = document.getElementById("session-list");
+  list.replaceChildren(
+    ...data.sessions.map((s) =>
+      el(
+        "li",
+        {
+          class: s.trial_id === state.trial ? "active" : "",
+          "data-trial": s.trial_id,
+          onclick: () => openSession(s.trial_id),
+        },
+        el("div", { class: "id", text: s.trial_id }),
+        el("div", {
+          class: "meta",
+          text: `${s.status} · ${s.turns} turns · ${s.branches} branches` +
+            (s.reward === null ? "" : ` · reward ${JSON.stringify(s.reward)}`),
+        }),
+      ),
+    ),
+  );
+  setStatus(`${data.sessions.length} sessions · updated ${new Date().toLocaleTimeString()}`);
+}
+
+function turnBox(turn) {
+  const badges = [
+    el("span", { class: "badge branch", text: turn.branch_reason }),
+    el("span", { class: "badge" + (turn.finish_reason === "length" ? " cut" : ""), text: `finish ${turn.finish_reason}` }),
+  ];
+  if (turn.capped) badges.push(el("span", { class: "badge cut", text: "capped" }));
+  if (turn.truncated) badges.push(el("span", { class: "badge cut", text: "client left" }));
+  const facts = [
+    `${turn.completion_tokens} sampled / ${turn.prompt_tokens} prompt`,
+    `worker ${turn.worker_id || "?"}`,
+    turn.policy_version === null || turn.policy_version === undefined ? "no policy version" : `policy v${turn.policy_version}`,
+    `queue ${turn.queue_seconds}s · engine ${turn.engine_seconds}s`,
+  ];
+  if (turn.tool_calls) facts.push(`${turn.tool_calls} tool call(s)`);
+  return el(
+    "div",
+    {
+      class: "turn",
+      "data-turn": String(turn.turn),
+      title: `${turn.api} · ${turn.model}`,
+      onclick: (event) => {
+        event.stopPropagation();
+        showTrajectoryThrough(turn.turn);
+      },
+    },
+    el("span", { class: "n", text: `#${turn.turn}` }),
+    ...badges,
+    el("span", { class: "facts", text: facts.join(" · ") }),
+  );
+}
+
+function renderTree() {
+  const children = new Map();
+  for (const turn of state.turns) {
+    const key = turn.parent === null ? "root" : turn.parent;
+    if (!children.has(key)) children.set(key, []);
+    children.get(key).push(turn);
+  }
+  const branch = (key) => {
+    const kids = children.get(key) || [];
+    if (!kids.length) return null;
+    return el(
+      "ul",
+      {},
+      ...kids.map((turn) => {
+        const sub = branch(turn.turn);
+        return el("li", {}, turnBox(turn), ...(sub ? [sub] : []));
+      }),
+    );
+  };
+  const tree = document.getElementById("tree");
+  tree.replaceChildren(branch("root") || el("p", { class: "hint", text: "No turns yet." }));
+  markSelection();
+}
+
+function markSelection() {
+  const path = new Set(
+    (state.trajectories.find((t) => t.leaf === state.leaf) || { turns: [] }).turns,
+  );
+  for (const box of document.querySelectorAll(".turn")) {
+    box.classList.toggle("selected", path.has(Number(box.dataset.turn)));
+  }
+}
+
+function logprobColour(lp) {
+  // 0 → green, -5 or below → red
+  const hue = Math.round(120 * Math.max(0, 1 + lp / 5));
+  return `hsl(${hue} 70% 80%)`;
+}
+
+async function showTrajectory(leaf) {
+  state.leaf = leaf;
+  markSelection();
+  const data = await getJSON(
+    `/ui/api/sessions/${encodeURIComponent(state.trial)}/trajectories/${leaf}`,
+  );
+  if (state.leaf !== leaf) return;
+  const starts = new Set(data.turns.map((t) => t.start));
+  const spans = [];
+  for (const [text, id] of data.prompt) {
+    spans.push(el("span", { class: "tok prompt", title: `prompt · id ${id}`, text }));
+  }
+  data.response.forEach(([text, id, mask, lp], at) => {
+    const classes = ["tok", mask ? "sampled" : "ctx"];
+    if (starts.has(at) && mask) classes.push("turn-start");
+    const attrs = {
+      class: classes.join(" "),
+      title: mask ? `sampled · id ${id} · logprob ${lp}` : `context · id ${id}`,
+      text,
+    };
+    if (mask) attrs.style = `background: ${logprobColour(lp)}`;
+    spans.push(el("span", attrs));
+  });
+  document.getElementById("tokens").replaceChildren(...spans);
+  document.getElementById("legend").hidden = false;
+}
+
+function showTrajectoryThrough(turn) {
+  const found = state.trajectories.find((t) => t.turns.includes(turn));
+  if (found) showTrajectory(found.leaf);
+}
+
+async function refreshSession() {
+  if (!state.trial) return;
+  const data = await getJSON(`/ui/api/sessions/${encodeURIComponent(state.trial)}`);
+  if (data.trial_id !== state.trial) return;
+  state.turns = data.turns;
+  state.trajectories = data.trajectories;
+  const head = document.getElementById("session-head");
+  head.replaceChildren(
+    el("span", { class: "id", text: data.trial_id }),
+    document.createTextNode(
+      ` · ${data.status} · model ${data.model ?? "any"} · history ${data.options.history}` +
+        ` · ${data.turns.length} turns · ${data.trajectories.length} trajectories` +
+        (data.reward === null ? "" : ` · reward ${JSON.stringify(data.reward)}`),
+    ),
+  );
+  if (data.turns.length !== state.shownTurns) {
+    state.shownTurns = data.turns.length;
+    renderTree();
+    const leaves = data.trajectories.map((t) => t.leaf);
+    if (state.leaf === null || !leaves.includes(state.leaf)) {
+      // the trajectory with the newest turn
+      if (leaves.length) await showTrajectory(Math.max(...leaves));
+    } else {
+      await showTrajectory(state.leaf);
+    }
+  }
+}
+
+async function openSession(trial) {
+  state.trial = trial;
+  state.leaf = null;
+  state.shownTurns = -1;
+  document.querySelector(".hint").hidden = true;
+  for (const li of document.querySelectorAll("#session-list li")) {
+    li.classList.toggle("active", li.dataset.trial === trial);
+  }
+  const url = new URL(window.location);
+  url.hash = trial;
+  history.replaceState(null, "", url);
+  await refreshSession();
+}
+
+async function tick() {
+  try {
+    await refreshSessions();
+    await refreshSession();
+  } catch (error) {
+    setStatus(`error: ${error.message}`);
+  }
+}
+
+(async () => {
+  await tick();
+  const wanted = decodeURIComponent(window.location.hash.slice(1));
+  if (wanted) await openSession(wanted);
+  setInterval(tick, 2000); // live: new sessions and turns appear as they are recorded
+})();
