@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", type=Path, default=None)
     d.add_argument("--turns", type=int, default=6)
     d.add_argument("--seed", type=int, default=1)
+    d.add_argument(
+        "--keep", action="store_true", help="keep the proxy up afterwards to read it at /ui/"
+    )
+    d.add_argument("-v", "--verbose", action="store_true", help="log to the console, not to a file")
 
     ts = sub.add_parser(
         "task-server",
@@ -324,14 +329,20 @@ def _task_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def ensure_tiny_model(path: Path | None) -> Path:
+def ensure_tiny_model(path: Path | None, say: Callable[[str], None] = print) -> Path:
+    """The model to serve: ``path``, or the tiny model, written once (about two minutes
+    on two cores: a BPE tokenizer, then a few hundred training steps, with progress)."""
     if path is not None:
         return path
     if not (DEFAULT_TINY_MODEL / "config.json").is_file():
         from worker_client.tiny_model import write_tiny_model
 
-        print(f"writing the tiny model to {DEFAULT_TINY_MODEL} (once)", flush=True)
-        write_tiny_model(DEFAULT_TINY_MODEL)
+        say(f"writing the tiny model to {DEFAULT_TINY_MODEL} (first run only, ~2 min on CPU)")
+
+        def progress(done: int, total: int) -> None:
+            say(f"  training its weights on synthetic chats: {100 * done // total}%")
+
+        write_tiny_model(DEFAULT_TINY_MODEL, progress=progress)
     return DEFAULT_TINY_MODEL
 
 
@@ -452,6 +463,37 @@ def _warn_open(why: str, host: str = "127.0.0.1") -> None:
     print(f"{bar}\n{message}\n{bar}", file=sys.stderr, flush=True)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from proxy.demo import log_to_file, run_demo
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if args.host not in {"127.0.0.1", "localhost", "::1"}:
+        _warn_open("`rollout-relay demo`", args.host)
+    say("rollout-relay demo: an agent episode through the proxy on a tiny random model (CPU)")
+    if not args.verbose:
+        log_file = Path(tempfile.gettempdir()) / "rollout-relay-demo.log"
+        log_to_file(log_file)
+        say(f"  (the proxy's and worker's logs: {log_file}; -v shows them here)")
+    model = ensure_tiny_model(args.model, say)
+    say(f"[1/5] model: {model}")
+    try:
+        return asyncio.run(
+            run_demo(
+                _config(args, None),
+                model,
+                turns=args.turns,
+                seed=args.seed,
+                keep=args.keep,
+                say=say,
+            )
+        )
+    except KeyboardInterrupt:
+        say("stopped")
+        return 0
+
+
 def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:
     """The proxy's settings with its credentials; None (after saying why) when it must
     not start: tokens missing without an explicit --no-auth."""
@@ -517,12 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "task-server":
             return _task_server(args)
         elif args.command == "demo":
-            from sdk.demo import run_demo
-
-            _warn_open("`rollout-relay demo`", args.host)
-            return asyncio.run(
-                run_demo(_config(args, None), ensure_tiny_model(args.model), args.turns, args.seed)
-            )
+            return _demo(args)
     except KeyboardInterrupt:
         return 130
     except ConfigurationError as exc:

@@ -1,5 +1,6 @@
 """The ``rollout-relay demo`` episode: a small tool-using agent driven through the official
-``openai`` client against the embedded proxy and the tiny model, then what a trainer gets.
+``openai`` client against a trial's base URL, and a description of what a trainer gets.
+(``proxy.demo`` starts the proxy and the worker the episode runs against.)
 
 The agent's tools run locally and are harmless: they read a scratch workspace and never
 run a shell (the tiny model's output is random, so its commands are not trusted).
@@ -8,7 +9,6 @@ run a shell (the tiny model's output is random, so its commands are not trusted)
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
-from sdk.client import ProxyClient, TrialSession
+from sdk.client import TrialSession
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -172,56 +172,22 @@ async def run_episode(
 
 
 def describe(export: dict[str, Any]) -> str:
-    lines = [f"trial {export['trial_id']}  reward={export['reward']}"]
-    for i, traj in enumerate(export["trajectories"]):
+    """The session's trajectories in words a newcomer reads at a glance."""
+    trajectories = export["trajectories"]
+    turns = {t["turn"] for traj in trajectories for t in traj["turns"]}
+    lines = [
+        f"  the session is a tree of {len(turns)} turns; each root-to-leaf path is one "
+        f"trajectory ({len(trajectories)}):"
+    ]
+    for i, traj in enumerate(trajectories, 1):
         mask = traj["response_mask"]
         sampled = sum(mask)
         lps = [lp for lp, m in zip(traj["response_logprobs"], mask, strict=True) if m]
         mean = sum(lps) / len(lps) if lps else float("nan")
-        reasons = ", ".join(t["branch_reason"] for t in traj["turns"])
+        path = " -> ".join(t["branch_reason"] for t in traj["turns"])
         lines.append(
-            f"  trajectory {i}: prompt {len(traj['prompt_ids'])} tokens, response "
-            f"{len(traj['response_ids'])} tokens ({sampled} sampled, "
-            f"{len(mask) - sampled} context), {len(traj['turns'])} turns, "
-            f"mean sampled logprob {mean:.3f}  [{reasons}]"
+            f"    #{i}: {len(traj['turns'])} turn(s) [{path}]: prompt {len(traj['prompt_ids'])}"
+            f" tokens, then {sampled} sampled (mask 1, mean logprob {mean:.2f}) and"
+            f" {len(mask) - sampled} of context between turns (mask 0)"
         )
     return "\n".join(lines)
-
-
-async def run_demo(config: Any, model_dir: Path, turns: int, seed: int) -> int:
-    """Start the embedded proxy + worker, run one episode, print what a trainer gets."""
-    from proxy.embedded import start_hf_worker, start_proxy
-    from sdk.fidelity import check_fidelity
-    from sdk.samples import build_samples
-    from worker_client.backends.hf import HFEngine
-
-    running = await start_proxy(config)
-    try:
-        start_hf_worker(running, model_dir, worker_id="demo-hf")
-        await running.wait_for_workers()
-        print(f"proxy up at {running.url} (no auth: local demo only)")
-        async with ProxyClient(running.url) as proxy:
-            trial = await proxy.create_session(sampling={"temperature": 1.0, "top_p": 1.0})
-            print(f"registered trial {trial.trial_id}; agent base URL {trial.base_url}")
-            with tempfile.TemporaryDirectory() as tmp:
-                log = await run_episode(trial, Workspace(Path(tmp)), turns=turns, seed=seed)
-            print(
-                f"episode: {len(log.received)} model calls, {log.tool_runs} tool runs, "
-                f"branches made on purpose: {', '.join(log.branches_made) or 'none'}"
-            )
-            await proxy.complete(trial.trial_id, reward=1.0 if log.tool_runs else 0.0)
-            export = await proxy.trajectories(trial.trial_id)
-            print(describe(export))
-            samples = build_samples(export)
-            print(f"{len(samples)} training samples (policy: one per trajectory)")
-            engine = HFEngine.load(model_dir)
-            report = check_fidelity(export, engine.score)
-            verdict = "PASS" if report.ok() else "FAIL"
-            print(
-                f"fidelity {verdict}: {report.sampled_tokens} sampled tokens re-scored by "
-                f"teacher forcing, max |recorded - recomputed| logprob = {report.max_abs_error:.2e}"
-            )
-            await proxy.delete(trial.trial_id)
-            return 0 if report.ok() else 1
-    finally:
-        await running.stop()

@@ -377,14 +377,20 @@ def _training_sequences(
 IMPRINT_STEPS = 400
 
 
-def _imprint(model: Any, tokenizer: Any, rng: random.Random, steps: int) -> None:
+def _imprint(
+    model: Any,
+    tokenizer: Any,
+    rng: random.Random,
+    steps: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
     import torch
 
     sequences = _training_sequences(tokenizer, rng, 256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
     model.train()
     pad = tokenizer.pad_token_id
-    for _ in range(steps):
+    for step in range(steps):
         batch = [sequences[rng.randrange(len(sequences))] for _ in range(8)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -400,11 +406,20 @@ def _imprint(model: Any, tokenizer: Any, rng: random.Random, steps: int) -> None
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if progress is not None and (step + 1) % max(1, steps // 10) == 0:
+            progress(step + 1, steps)
     model.eval()
 
 
-def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> Path:
-    """Write the tiny model to ``out_dir`` (replacing it atomically) and return the path."""
+def write_tiny_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    imprint: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write the tiny model to ``out_dir`` (replacing it atomically) and return the path.
+    ``progress(done, total)`` is called every tenth of the training steps."""
     rng = random.Random(seed)
     tokenizer = _train_tokenizer(rng)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -415,7 +430,7 @@ def write_tiny_model(out_dir: Path, *, seed: int = 0, imprint: bool = True) -> P
         eos_ids=[end, pad],
         pad_id=pad,
         seed=seed,
-        train=(lambda m: _imprint(m, tokenizer, rng, IMPRINT_STEPS)) if imprint else None,
+        train=(lambda m: _imprint(m, tokenizer, rng, IMPRINT_STEPS, progress)) if imprint else None,
     )
     return save_atomically(out_dir, model, tokenizer)
 

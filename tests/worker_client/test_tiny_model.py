@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from worker_client import tiny_model
 from worker_client.tiny_model import PLAIN_ADDED_TOKENS, SPECIAL_TOKENS, write_tiny_model
 
 
@@ -302,3 +303,12 @@ def test_generator_is_deterministic(tmp_path: Path) -> None:
     assert any(ta[key].shape != tc[key].shape or not torch.equal(ta[key], tc[key]) for key in ta)
     # Nothing but the final directories is left behind (the staging dir was renamed).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+def test_training_reports_its_progress(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Writing the model says how far its training is, every tenth of the steps (the demo
+    prints it on a first run instead of staying silent for two minutes)."""
+    monkeypatch.setattr(tiny_model, "IMPRINT_STEPS", 20)
+    seen: list[tuple[int, int]] = []
+    write_tiny_model(tmp_path / "m", progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(step, 20) for step in range(2, 21, 2)]
