@@ -252,9 +252,9 @@ class WorkerClient:
             raise
         except PromptTooLongError as exc:
             outbox.finish(protocol.Error("prompt_too_long", str(exc), rid))
-        except EngineError as exc:
+        except Exception as exc:  # any engine failure fails this request, never hangs it
             log.exception("engine failed on %s", rid)
-            outbox.finish(protocol.Error("engine_error", str(exc), rid))
+            outbox.finish(protocol.Error("engine_error", f"{type(exc).__name__}: {exc}", rid))
 
 
 def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:

@@ -406,3 +406,39 @@ async def test_stopping_the_proxy_drops_its_workers_promptly(
         await stopping  # let it finish either way
         assert done, "RunningProxy.stop() took longer than 2 s"
         assert not client.connected.is_set()
+
+
+class _Exploding:
+    """An engine whose generation raises something no engine should (a bug, a driver
+    error): fault injection around the real engine's card."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.card = engine.card
+
+    async def generate(self, request_id: str, prompt_ids: Any, sampling: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_an_unexpected_engine_exception_fails_the_request_not_hangs_it(
+    proxy: RunningProxy, engine: HFEngine, tiny_model_dir: Path, prompt: list[int]
+) -> None:
+    """Whatever an engine raises, the request ends at once with engine_error naming it,
+    and the worker keeps serving."""
+    broken = {"broken": ServedModel(_Exploding(engine), tiny_model_dir)}  # type: ignore[arg-type]
+    client = WorkerClient(proxy.worker_url, broken, token=TOKEN, worker_id="w-broken")
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        for _ in range(2):
+            with pytest.raises(WorkerFailedError) as info:
+                await asyncio.wait_for(_generate(pool, "broken", prompt, max_tokens=4), 10)
+            assert info.value.code == "engine_error"
+            assert "RuntimeError: CUDA error" in str(info.value)
+        assert set(pool.workers) == {"w-broken"}
