@@ -11,6 +11,7 @@ from proxy.api.errors import error_middleware, json_response
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
+from proxy.cluster import forward_middleware, setup_cluster
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
@@ -41,7 +42,13 @@ async def readyz(request: web.Request) -> web.Response:
 def build_app(config: ProxyConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[observe_middleware, error_middleware, auth_middleware, drain_gate],
+        middlewares=[
+            observe_middleware,
+            error_middleware,
+            forward_middleware,
+            auth_middleware,
+            drain_gate,
+        ],
     )
     pool = WorkerPool(
         wait_seconds=config.worker_wait_seconds,
@@ -85,6 +92,7 @@ def build_app(config: ProxyConfig) -> web.Application:
         ),
     )
     setup_durability(app)
+    setup_cluster(app)
     sessions.add_routes(app)
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)

@@ -27,6 +27,13 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--public-url", default=None, help="URL agents use to reach the proxy")
+    parser.add_argument(
+        "--peers",
+        default=None,
+        metavar="URL,URL,...",
+        help="every proxy replica's public URL, this one's included: each trial is owned by "
+        "one replica (chosen from its id), the others forward to it",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--worker-wait-seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=4096, help="global cap per call")
@@ -129,6 +136,7 @@ def _config(
         host=args.host,
         port=args.port,
         public_url=args.public_url,
+        peers=tuple(p for p in (getattr(args, "peers", None) or "").split(",") if p.strip()),
         max_body_bytes=args.max_body_bytes,
         worker_wait_seconds=args.worker_wait_seconds,
         max_tokens=args.max_tokens,
@@ -196,7 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     w = sub.add_parser("worker", help="run an inference worker that dials the proxy")
-    w.add_argument("--proxy", required=True, help="ws://host:port/ws/worker")
+    w.add_argument(
+        "--proxy",
+        required=True,
+        action="append",
+        help="ws://host:port/ws/worker; repeat it for several proxy replicas, or give a name "
+        "that resolves to all of them (re-resolved every --resolve-seconds)",
+    )
+    w.add_argument("--resolve-seconds", type=float, default=30.0)
     w.add_argument(
         "--backend",
         choices=["hf", "vllm", "openai", "instant"],
@@ -389,8 +404,9 @@ async def _run_proxy(config: ProxyConfig) -> None:
 
 
 async def _run_worker(args: argparse.Namespace) -> None:
-    from worker_client.client import ServedModel, WorkerClient, client_ssl_context
+    from worker_client.client import ServedModel, client_ssl_context
     from worker_client.engine import Engine, LogprobsMode
+    from worker_client.fleet import WorkerFleet
 
     mode = LogprobsMode(args.logprobs_mode)
     engine: Engine
@@ -422,15 +438,18 @@ async def _run_worker(args: argparse.Namespace) -> None:
         from worker_client.backends.vllm import VLLMEngine
 
         engine = VLLMEngine.load(args.model, name=args.name, logprobs_mode=mode)
-    client = WorkerClient(
+    fleet = WorkerFleet(
         args.proxy,
         {engine.card.name: ServedModel(engine, Path(args.model))},
         token=args.token,
         worker_id=args.worker_id,
         max_concurrency=args.max_concurrency,
-        ssl_context=client_ssl_context(args.ca_file) if args.proxy.startswith("wss://") else None,
+        ssl_context=lambda url: (
+            client_ssl_context(args.ca_file) if url.startswith("wss://") else None
+        ),
+        resolve_seconds=args.resolve_seconds,
     )
-    await client.run()
+    await fleet.run()
 
 
 async def _up(config: ProxyConfig, model_dir: Path) -> None:

@@ -13,6 +13,9 @@ class ProxyConfig:
     # The URL agents reach the proxy at, for the base_url handed out per trial; derived
     # from the request's Host header when not set.
     public_url: str | None = None
+    # Every replica's public URL, this one's included (normalized by relay.cluster); each
+    # trial is owned by one of them. Empty: a single proxy.
+    peers: tuple[str, ...] = ()
     max_body_bytes: int = 16 * 1024 * 1024
     worker_wait_seconds: float = 30.0
     max_tokens: int = 4096

@@ -11,6 +11,8 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── PermissionDeniedError       403 credential of the wrong kind or for another trial
     ├── NotFoundError               404 unknown trial, model or route
     ├── ConflictError               409 session completed/deleted, trial id taken
+    ├── MisdirectedRequestError     421 a forwarded request reached a replica that does not
+    │                                   own its trial (the replicas' lists differ)
     ├── PayloadTooLargeError        413 request body over the limit
     ├── UpstreamError               502 the worker failed the request
     ├── ServiceUnavailableError     503 no worker became available, queue full, draining
@@ -79,6 +81,11 @@ class PayloadTooLargeError(ProxyError):
 class UpstreamError(ProxyError):
     status = 502
     error_type = "upstream_error"
+
+
+class MisdirectedRequestError(ProxyError):
+    status = 421
+    error_type = "invalid_request_error"
 
 
 class ServiceUnavailableError(ProxyError):

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from relay.cluster import owner
 from sdk.exceptions import (
     ProxyAuthError,
     ProxyRequestError,
@@ -60,6 +61,8 @@ class ProxyClient(HttpClient):
         super().__init__(http)
         # https only: verify the proxy against this context (e.g. a private CA).
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+        # The proxy replicas' public URLs (GET /cluster); None: not asked yet.
+        self._peers: tuple[str, ...] | None = None
 
     def __repr__(self) -> str:
         return f"<ProxyClient {self.proxy_url}>"
@@ -67,9 +70,32 @@ class ProxyClient(HttpClient):
     def _new_session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
 
-    async def _request(self, method: str, path: str, payload: Any = None) -> Any:
+    async def _owner(self, trial_id: str) -> str:
+        """The replica that owns ``trial_id``: the proxies say who they all are
+        (``GET /cluster``, asked once) and the owner follows from the id alone. A single
+        proxy, or one that does not say, is asked everything."""
+        if self._peers is None:
+            try:
+                async with self._session().get(
+                    f"{self.proxy_url}/cluster", ssl=self._ssl
+                ) as response:
+                    info = await response.json(content_type=None) if response.ok else {}
+                self._peers = tuple(info.get("peers") or ())
+            except (aiohttp.ClientError, ValueError):
+                return self.proxy_url  # not cached: asked again next time
+        return owner(trial_id, self._peers) if self._peers else self.proxy_url
+
+    async def _trial_request(
+        self, method: str, trial_id: str, path: str, payload: Any = None
+    ) -> Any:
+        """A request about one trial, sent to the replica that owns it."""
+        return await self._request(method, path, payload, base=await self._owner(trial_id))
+
+    async def _request(
+        self, method: str, path: str, payload: Any = None, *, base: str | None = None
+    ) -> Any:
         async with self._session().request(
-            method, f"{self.proxy_url}{path}", json=payload, ssl=self._ssl
+            method, f"{base or self.proxy_url}{path}", json=payload, ssl=self._ssl
         ) as response:
             data = await response.json(content_type=None)
             if response.status >= 400:
@@ -109,30 +135,32 @@ class ProxyClient(HttpClient):
         }
         payload.update({k: v for k, v in options.items() if v is not None})
         if trial_id is not None:
-            data = await self._request("POST", f"/sessions/{trial_id}", payload)
+            data = await self._trial_request("POST", trial_id, f"/sessions/{trial_id}", payload)
         else:
             data = await self._request("POST", "/sessions", payload)
         return TrialSession(data["trial_id"], data["base_url"], data["api_key"])
 
     async def get_session(self, trial_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", f"/sessions/{trial_id}")
+        result: dict[str, Any] = await self._trial_request("GET", trial_id, f"/sessions/{trial_id}")
         return result
 
     async def trajectories(self, trial_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", f"/sessions/{trial_id}/trajectories")
+        result: dict[str, Any] = await self._trial_request(
+            "GET", trial_id, f"/sessions/{trial_id}/trajectories"
+        )
         return result
 
     async def complete(
         self, trial_id: str, reward: float | dict[str, float] | None = None
     ) -> dict[str, Any]:
         payload = {} if reward is None else {"reward": reward}
-        result: dict[str, Any] = await self._request(
-            "POST", f"/sessions/{trial_id}/complete", payload
+        result: dict[str, Any] = await self._trial_request(
+            "POST", trial_id, f"/sessions/{trial_id}/complete", payload
         )
         return result
 
     async def delete(self, trial_id: str) -> None:
-        await self._request("DELETE", f"/sessions/{trial_id}")
+        await self._trial_request("DELETE", trial_id, f"/sessions/{trial_id}")
 
     async def list_sessions(self, *, limit: int = 100, after: str | None = None) -> dict[str, Any]:
         query = f"?limit={limit}" + (f"&after={after}" if after else "")

@@ -19,6 +19,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import shortuuid
 import websockets
@@ -63,6 +64,10 @@ def collect_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
     return files
 
 
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{shortuuid.uuid()[:8]}"
+
+
 def client_ssl_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
     """A context that verifies the proxy's certificate, against ``ca_file`` (PEM; e.g. the
     CA of a self-signed deployment) when given, else against the system's trusted CAs."""
@@ -95,17 +100,30 @@ class WorkerClient:
         max_concurrency: int = 8,
         max_frame_bytes: int = 256 * 1024 * 1024,
         ssl_context: ssl.SSLContext | None = None,
+        connect_host: str | None = None,
+        admission: Mapping[str, asyncio.Semaphore] | None = None,
     ) -> None:
+        """``connect_host``: the address to connect to instead of the URL's host (one
+        replica behind a name that resolves to several; the URL's host still names the
+        server for TLS). ``admission``: per model, the limit on requests running on its
+        engine, shared by every connection of this worker process (``WorkerFleet``); by
+        default this connection's own, ``max_concurrency`` each."""
         if not models:
             raise ValueError("a worker needs at least one model")
         self.proxy_url = proxy_url
         self.models = dict(models)
         self.token = token
-        self.worker_id = worker_id or f"{socket.gethostname()}-{shortuuid.uuid()[:8]}"
+        self.worker_id = worker_id or default_worker_id()
         self.max_concurrency = max_concurrency
         self.max_frame_bytes = max_frame_bytes
         # For wss:// only; None there means the system's trusted CAs.
         self.ssl_context = ssl_context
+        self.connect_host = connect_host
+        self.admission = (
+            dict(admission)
+            if admission is not None
+            else {name: asyncio.Semaphore(max_concurrency) for name in models}
+        )
         self.connected = asyncio.Event()
         self._rng = random.Random()
         self._hello_models = [
@@ -121,7 +139,8 @@ class WorkerClient:
 
     def __repr__(self) -> str:
         state = "connected" if self.connected.is_set() else "disconnected"
-        return f"<WorkerClient {self.worker_id} {state} {self.proxy_url}>"
+        via = f" via {self.connect_host}" if self.connect_host else ""
+        return f"<WorkerClient {self.worker_id} {state} {self.proxy_url}{via}>"
 
     async def run(self, *, max_attempts: int | None = None) -> None:
         """Connect and serve until cancelled; reconnect after every drop."""
@@ -136,6 +155,7 @@ class WorkerClient:
                     open_timeout=10,
                     compression=None,
                     ssl=self._ssl(),
+                    **self._connect_kwargs(),
                 ) as ws:
                     attempt = 0
                     await self._serve(ws)
@@ -149,6 +169,10 @@ class WorkerClient:
             if max_attempts is not None and attempt >= max_attempts:
                 raise ConnectionError(f"could not reach the proxy at {self.proxy_url}")
             await asyncio.sleep(backoff_delay(attempt, rng=self._rng))
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        # A replica's own address behind a name that resolves to several.
+        return {"host": self.connect_host} if self.connect_host else {}
 
     def _ssl(self) -> ssl.SSLContext | bool | None:
         # websockets wants no ssl argument for ws://, and True (the default context) or a
@@ -224,30 +248,16 @@ class WorkerClient:
             stop_token_ids=tuple(s.stop_token_ids),
         )
         prompt = protocol.unpack_ids(message.prompt_ids)
-        finished = False
+        finished = started = False
         try:
-            # aclosing: however this ends, the engine's generator is finalized now (an
-            # engine may hold a lock across its yields), not whenever it is collected.
-            async with contextlib.aclosing(served.engine.generate(rid, prompt, sampling)) as stream:
-                async for chunk in stream:
-                    if chunk.finish_reason is None:
-                        outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
-                        continue
-                    finished = True
-                    outbox.finish(
-                        protocol.Done(
-                            rid,
-                            chunk.finish_reason.value,
-                            protocol.pack_ids(chunk.token_ids),
-                            protocol.pack_logprobs(chunk.logprobs),
-                            dict(chunk.extra),
-                        )
-                    )
-                    return
-            raise EngineError("engine stream ended without a finish reason")
+            # One admission limit per engine, whichever proxy the request came from.
+            async with self.admission[message.model]:
+                started = True
+                await self._generate(outbox, served, rid, prompt, sampling)
+                finished = True
         except asyncio.CancelledError:
             outbox.discard(rid)
-            if not finished:  # an engine keeps no state for a request it has finished
+            if started and not finished:  # an engine keeps nothing of a finished request
                 await served.engine.abort(rid)
             raise
         except PromptTooLongError as exc:
@@ -255,6 +265,34 @@ class WorkerClient:
         except Exception as exc:  # any engine failure fails this request, never hangs it
             log.exception("engine failed on %s", rid)
             outbox.finish(protocol.Error("engine_error", f"{type(exc).__name__}: {exc}", rid))
+
+    async def _generate(
+        self,
+        outbox: Outbox,
+        served: ServedModel,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+    ) -> None:
+        """Stream one request's tokens; returns once its Done is queued."""
+        # aclosing: however this ends, the engine's generator is finalized now (an engine
+        # may hold a lock across its yields), not whenever it is collected.
+        async with contextlib.aclosing(served.engine.generate(rid, prompt, sampling)) as stream:
+            async for chunk in stream:
+                if chunk.finish_reason is None:
+                    outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
+                    continue
+                outbox.finish(
+                    protocol.Done(
+                        rid,
+                        chunk.finish_reason.value,
+                        protocol.pack_ids(chunk.token_ids),
+                        protocol.pack_logprobs(chunk.logprobs),
+                        dict(chunk.extra),
+                    )
+                )
+                return
+        raise EngineError("engine stream ended without a finish reason")
 
 
 def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:

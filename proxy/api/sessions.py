@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.errors import json_response, parse_json
 from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
+from proxy.cluster import CLUSTER, new_owned_trial_id
 from proxy.exceptions import BadRequestError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
@@ -54,6 +55,8 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
                 "trial_id in the body differs from the path", code="invalid_request"
             )
         spec.trial_id = trial_id
+    if spec.trial_id is None:  # one this replica owns (any id when there is one replica)
+        spec.trial_id = new_owned_trial_id(request.app.get(CLUSTER))
     registry = request.app[SESSIONS]
     check_session_count(
         request.app[SERVICE].limits, len(registry), request.app[CONFIG].retry_after_seconds
