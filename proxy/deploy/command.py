@@ -46,6 +46,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least one replica")
+    return value
+
+
 def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     deploy = sub.add_parser("deploy", help="deploy the proxy and workers to Kubernetes")
     actions = deploy.add_subparsers(dest="deploy_action", required=True)
@@ -67,6 +74,12 @@ def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         a.add_argument("--image", default=None, help="the proxy's image")
         a.add_argument("--worker-image", default=None, help="the workers' image")
         a.add_argument("--workers", type=_count, default=None, help="worker replicas")
+        a.add_argument(
+            "--replicas",
+            type=_positive,
+            default=None,
+            help="proxy replicas (each owns a share of the trials, with its own store)",
+        )
         a.add_argument("--model", default=None, help="the model workers serve (a hub id)")
         a.add_argument("--proxy-cpu", type=_quantity, default=None, help="e.g. 4")
         a.add_argument("--proxy-memory", type=_quantity, default=None, help="e.g. 8Gi")
@@ -106,6 +119,7 @@ def _options(args: argparse.Namespace) -> DeployOptions:
         image=args.image,
         worker_image=args.worker_image,
         workers=args.workers,
+        replicas=args.replicas,
         model=args.model,
         proxy_cpu=args.proxy_cpu,
         proxy_memory=args.proxy_memory,

@@ -225,6 +225,7 @@ class DeployOptions:
     image: str | None = None
     worker_image: str | None = None
     workers: int | None = None
+    replicas: int | None = None  # proxy replicas
     model: str | None = None
     proxy_cpu: str | None = None
     proxy_memory: str | None = None
@@ -260,6 +261,10 @@ def customize(objects: list[Manifest], options: DeployOptions) -> list[Manifest]
             container["image"] = options.worker_image
     if options.workers is not None:
         worker["spec"]["replicas"] = options.workers
+    if options.replicas is not None:
+        proxy["spec"]["replicas"] = options.replicas
+    # The replica list always follows the replica count and the namespace.
+    find(out, *CONFIG_MAP)["data"]["RELAY_PEERS"] = proxy_peers(proxy)
     if options.model is not None:
         find(out, *CONFIG_MAP)["data"]["RELAY_MODEL"] = options.model
     resources = _container(proxy, PROXY_CONTAINER).setdefault("resources", {})
@@ -280,6 +285,23 @@ def customize(objects: list[Manifest], options: DeployOptions) -> list[Manifest]
             else:
                 bucket.pop("nvidia.com/gpu", None)
     return out
+
+
+def proxy_peers(proxy: Manifest) -> str:
+    """Every proxy replica's URL: pod N of the StatefulSet through its headless Service
+    (what each pod's ``--public-url`` expands to)."""
+    namespace = proxy["metadata"].get("namespace", "default")
+    service = proxy["spec"]["serviceName"]
+    port = next(
+        p["containerPort"]
+        for p in _container(proxy, PROXY_CONTAINER)["ports"]
+        if p.get("name") == "http"
+    )
+    name = proxy["metadata"]["name"]
+    return ",".join(
+        f"http://{name}-{i}.{service}.{namespace}.svc:{port}"
+        for i in range(int(proxy["spec"]["replicas"]))
+    )
 
 
 def render(directory: Path, options: DeployOptions = DeployOptions()) -> list[Manifest]:

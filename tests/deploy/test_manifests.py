@@ -19,7 +19,8 @@ from kubernetes_validate.utils import ValidationError
 from proxy.app import build_app
 from proxy.cli import build_parser
 from proxy.config import ProxyConfig
-from proxy.deploy.render import PROXY, SERVICE, WORKER, build, find
+from proxy.deploy.render import PROXY, SERVICE, WORKER, DeployOptions, build, customize, find
+from relay.cluster import ClusterError, validate_peers
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = ["base", "overlays/dev", "overlays/prod"]
@@ -52,9 +53,12 @@ def get_routes() -> set[str]:
     }
 
 
-def container_env(container: Manifest, objects: list[Manifest]) -> dict[str, str]:
+def container_env(
+    container: Manifest, objects: list[Manifest], fields: dict[str, str] | None = None
+) -> dict[str, str]:
     """The container's environment as Kubernetes builds it; a Secret's value stands for
-    itself as <secret/key>, as the cluster would fill it in."""
+    itself as <secret/key>, as the cluster would fill it in; a pod field (downward API)
+    takes its value from ``fields``."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         name = source["configMapRef"]["name"]
@@ -62,6 +66,9 @@ def container_env(container: Manifest, objects: list[Manifest]) -> dict[str, str
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif "fieldRef" in item["valueFrom"]:
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            env[item["name"]] = (fields or {}).get(path, f"<{path}>")
         else:
             ref = item["valueFrom"]["secretKeyRef"]
             env[item["name"]] = f"<{ref['name']}/{ref['key']}>"
@@ -120,12 +127,28 @@ def check_agreement(objects: list[Manifest], monkeypatch: pytest.MonkeyPatch) ->
     proxy_set = find(objects, *PROXY)
     pod = proxy_set["spec"]["template"]["spec"]
     proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
-    env = container_env(proxy, objects)
+    namespace = proxy_set["metadata"].get("namespace", "default")
+    name = proxy_set["metadata"]["name"]
+    env = container_env(
+        proxy, objects, {"metadata.name": f"{name}-0", "metadata.namespace": namespace}
+    )
     args, used, missing = expand(proxy["args"], env)
     problems += missing
     parsed = parse_cli(args, env, monkeypatch)
     if parsed is None or parsed.command != "proxy":
         return [*problems, f"the proxy CLI rejects {args}"]
+    # Every replica finds itself in the peer list (the proxy refuses to start otherwise).
+    for index in range(int(proxy_set["spec"]["replicas"])):
+        own = container_env(
+            proxy,
+            objects,
+            {"metadata.name": f"{name}-{index}", "metadata.namespace": namespace},
+        )
+        mine = parse_cli(expand(proxy["args"], own)[0], own, monkeypatch)
+        try:
+            validate_peers(mine.public_url, mine.peers.split(","))
+        except ClusterError as exc:
+            problems.append(f"replica {index}: {exc}")
     ports = {p["name"]: p["containerPort"] for p in proxy["ports"]}
     if parsed.port != ports.get("http"):
         problems.append(f"--port {parsed.port} is not the container port {ports.get('http')}")
@@ -175,10 +198,18 @@ def check_agreement(objects: list[Manifest], monkeypatch: pytest.MonkeyPatch) ->
     wparsed = parse_cli(wargs, worker_env, monkeypatch)
     if wparsed is None or wparsed.command != "worker":
         return [*problems, f"the worker CLI rejects {wargs}"]
-    url = urlsplit(wparsed.proxy)
-    service_port = service_ports["http"]["port"]
-    if url.scheme != "ws" or url.hostname != service["metadata"]["name"]:
-        problems.append(f"workers dial {wparsed.proxy}, not the Service")
+    # Workers dial the StatefulSet's headless Service: a name with every replica's address,
+    # ready or not (a replica is ready only once a worker joined it).
+    (dialed,) = wparsed.proxy
+    url = urlsplit(dialed)
+    headless = find(objects, "Service", proxy_set["spec"]["serviceName"])
+    service_port = {p["name"]: p for p in headless["spec"]["ports"]}["http"]["port"]
+    if url.scheme != "ws" or url.hostname != headless["metadata"]["name"]:
+        problems.append(f"workers dial {dialed}, not the replicas' headless Service")
+    if headless["spec"].get("clusterIP") != "None" or not headless["spec"].get(
+        "publishNotReadyAddresses"
+    ):
+        problems.append("the replicas' Service is not headless with not-ready addresses")
     if url.port != service_port:
         problems.append(f"workers dial port {url.port}, the Service listens on {service_port}")
     if url.path not in routes:
@@ -343,7 +374,7 @@ def test_proxy_is_one_replica_with_a_persistent_store(overlay: str) -> None:
     budgets = {
         o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PodDisruptionBudget"
     }
-    assert budgets["rollout-relay-proxy"]["minAvailable"] == 1
+    assert budgets["rollout-relay-proxy"]["minAvailable"] == "51%"  # a majority
     assert budgets["rollout-relay-worker"]["maxUnavailable"] == 1
     assert (
         budgets["rollout-relay-proxy"]["selector"]["matchLabels"].items()
@@ -447,3 +478,33 @@ def test_secret_is_referenced_not_shipped() -> None:
         ("RELAY_ADMIN_TOKEN", "rollout-relay-tokens", "admin-token"),
         ("RELAY_WORKER_TOKEN", "rollout-relay-tokens", "worker-token"),
     }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_proxy_scales_to_three_replicas(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deploy apply --replicas 3`: three replicas, each finding its own per-pod URL in the
+    peer list, a claim each, a majority kept by the disruption budget, still valid for the
+    API schemas and in agreement with the CLI."""
+    objects = customize(rendered(overlay), DeployOptions(replicas=3))
+    proxy = find(objects, *PROXY)
+    assert proxy["spec"]["replicas"] == 3
+    assert proxy["spec"]["podManagementPolicy"] == "Parallel"
+    namespace = proxy["metadata"]["namespace"]
+    peers = find(objects, "ConfigMap", "rollout-relay-config")["data"]["RELAY_PEERS"]
+    assert peers.split(",") == [
+        f"http://rollout-relay-proxy-{i}.rollout-relay-proxy.{namespace}.svc:8080" for i in range(3)
+    ]
+    assert check_agreement(objects, monkeypatch) == []
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+
+
+def test_a_peer_list_out_of_step_with_the_replicas_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scaling the StatefulSet without the peer list leaves replicas that are not in it:
+    the agreement check names them (the proxy itself would refuse to start)."""
+    objects = copy.deepcopy(rendered("base"))
+    find(objects, *PROXY)["spec"]["replicas"] = 2
+    problems = check_agreement(objects, monkeypatch)
+    assert any(p.startswith("replica 1: --peers must include") for p in problems), problems

@@ -54,6 +54,7 @@ def test_unknown_overlay_is_a_clear_error(capsys: pytest.CaptureFixture[str]) ->
         ("--storage", "10GB!", "not a Kubernetes quantity"),
         ("--workers", "-1", "not a count"),
         ("--worker-gpus", "two", "not a count"),
+        ("--replicas", "0", "at least one replica"),
     ],
 )
 def test_bad_option_values_are_refused(
@@ -64,3 +65,11 @@ def test_bad_option_values_are_refused(
         main(["deploy", "render", flag, value])
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_render_scales_the_proxy(capsys: pytest.CaptureFixture[str]) -> None:
+    """--replicas sets the StatefulSet and the peer list together."""
+    assert main(["deploy", "render", "--replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas: 2" in out
+    assert "rollout-relay-proxy-1.rollout-relay-proxy." in out
