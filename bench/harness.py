@@ -28,9 +28,9 @@ from bench.agents import (
     percentile,
     run_load,
 )
-from bench.processes import Proc, Processes, wait_http
+from bench.processes import Proc, Processes, free_port, wait_http
 
-SECTIONS = ("latency", "stream", "inmemory", "context", "memory", "profile")
+SECTIONS = ("latency", "stream", "inmemory", "context", "memory", "profile", "replicas")
 
 
 @dataclass(slots=True)
@@ -57,6 +57,10 @@ class Sizes:
     stream_turns_at: dict[int, int] = field(default_factory=lambda: {1: 24, 32: 256})
     stream_reply_tokens: int = 64
     stream_tokens_per_second: float = 50.0
+    # One proxy against two replicas: agents, turns, and streamed turns of each.
+    replica_concurrency: int = 64
+    replica_turns: int = 8192
+    replica_stream_turns: int = 4096
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -78,6 +82,9 @@ class Sizes:
             stream_turns_at={1: 3, 4: 8},
             stream_reply_tokens=8,
             stream_tokens_per_second=200.0,
+            replica_concurrency=4,
+            replica_turns=12,
+            replica_stream_turns=8,
         )
 
 
@@ -523,6 +530,79 @@ def summarize_profile(raw: Path, top: int = 25) -> list[tuple[str, float, float]
     return [(name, 100 * n / samples, 100 * total_counts[name] / samples) for name, n in ranked]
 
 
+async def section_replicas(
+    procs: Processes, model_dir: Path, sizes: Sizes, proxy_args: list[str], durable: bool
+) -> list[dict[str, Any]]:
+    """The same load through one proxy and through two replicas (``--peers``), one worker
+    process serving all of them: aggregate turns/s and streamed tokens/s, and each
+    replica's CPU per turn. Each agent registers its sessions at one replica (which owns
+    them) and talks to it; the agents are split evenly."""
+    rows: list[dict[str, Any]] = []
+    for count in (1, 2):
+        ports = [free_port() for _ in range(count)]
+        peers = [f"http://127.0.0.1:{port}" for port in ports]
+        replicas = [
+            procs.proxy(
+                [*proxy_args, "--public-url", peers[i], "--peers", ",".join(peers)],
+                durable=durable,
+                name=f"replicas-{count}-{i}",
+                port=ports[i],
+            )
+            for i in range(count)
+        ]
+        for replica in replicas:
+            wait_http(replica, "/healthz")
+        worker = procs.instant_worker(
+            replicas, model_dir, reply_tokens=sizes.reply_tokens, index=10 + count
+        )
+        for replica in replicas:
+            wait_http(replica, "/readyz")
+        for stream, turns in ((False, sizes.replica_turns), (True, sizes.replica_stream_turns)):
+            before = [r.cpu_seconds() for r in replicas]
+            started = time.perf_counter()
+            loads = await asyncio.gather(
+                *(
+                    run_load(
+                        Target("proxy", replica.url),
+                        concurrency=max(1, sizes.replica_concurrency // count),
+                        total_turns=turns // count,
+                        turns_per_session=sizes.turns_per_session,
+                        stream=stream,
+                        max_tokens=sizes.reply_tokens,
+                        seed=i,
+                    )
+                    for i, replica in enumerate(replicas)
+                )
+            )
+            wall = time.perf_counter() - started
+            cpu = [r.cpu_seconds() - b for r, b in zip(replicas, before, strict=True)]
+            done = sum(len(load.calls) for load in loads)
+            tokens = sum(c.completion_tokens for load in loads for c in load.calls)
+            row = {
+                "replicas": count,
+                "stream": stream,
+                "turns": done,
+                "errors": sum(load.errors for load in loads),
+                "first_error": next((x.first_error for x in loads if x.first_error), ""),
+                "turns_per_s": done / wall if wall else 0.0,
+                "tokens_per_s": tokens / wall if wall else 0.0,
+                "cpu_ms_per_turn": [
+                    c / len(load.calls) * 1e3 if load.calls else None
+                    for c, load in zip(cpu, loads, strict=True)
+                ],
+            }
+            rows.append(row)
+            print(
+                f"  replicas={count} stream={stream} {row['turns_per_s']:.0f} turns/s "
+                f"{row['tokens_per_s']:.0f} tok/s err={row['errors']}",
+                flush=True,
+            )
+        worker.stop()
+        for replica in replicas:
+            replica.stop()
+    return rows
+
+
 async def run(
     model_dir: Path,
     sizes: Sizes,
@@ -606,6 +686,16 @@ async def run(
             print("profile", flush=True)
             results["profile"] = await section_profile(stack, sizes, out_dir)
             save(results)
+        if "replicas" in sections:
+            print("replicas", flush=True)
+            for stopped in (proxy, worker, paced, upstream):
+                if stopped is not None:
+                    stopped.stop()  # the replicas get the machine to themselves
+            results["replicas"] = await section_replicas(
+                procs, model_dir, sizes, proxy_args, durable
+            )
+            save(results)
+            return results
         if "memory" in sections:
             # Last: it fills the proxy with sessions.
             print("memory", flush=True)

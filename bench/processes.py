@@ -134,12 +134,20 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def proxy(self, extra_args: list[str], *, durable: bool = True, name: str = "proxy") -> Proc:
-        """``rollout-relay proxy``; ``durable`` stores sessions in SQLite (``--data-dir``)."""
-        port = free_port()
+    def proxy(
+        self,
+        extra_args: list[str],
+        *,
+        durable: bool = True,
+        name: str = "proxy",
+        port: int | None = None,
+    ) -> Proc:
+        """``rollout-relay proxy``; ``durable`` stores sessions in SQLite (``--data-dir``,
+        one per proxy process)."""
+        port = port or free_port()
         env = dict(AUTH_ENV)
         if durable:
-            env["RELAY_DATA_DIR"] = str(self.log_dir / "data")
+            env["RELAY_DATA_DIR"] = str(self.log_dir / ("data" if name == "proxy" else name))
         proc = self.spawn(
             name,
             [
@@ -164,7 +172,7 @@ class Processes:
 
     def instant_worker(
         self,
-        proxy: Proc,
+        proxy: Proc | list[Proc],
         model_dir: Path,
         *,
         reply_tokens: int,
@@ -172,7 +180,12 @@ class Processes:
         name: str = "bench",
         tokens_per_second: float = 0.0,
     ) -> Proc:
-        ws = proxy.url.replace("http://", "ws://") + "/ws/worker"
+        proxies = proxy if isinstance(proxy, list) else [proxy]
+        dial = [
+            a
+            for p in proxies
+            for a in ("--proxy", p.url.replace("http://", "ws://") + "/ws/worker")
+        ]
         return self.spawn(
             f"worker-{index}",
             [
@@ -182,8 +195,7 @@ class Processes:
                 "--log-level",
                 "WARNING",
                 "worker",
-                "--proxy",
-                ws,
+                *dial,
                 "--backend",
                 "instant",
                 "--model",

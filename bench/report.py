@@ -233,6 +233,21 @@ def profile_table(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replicas_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| replicas | calls | turns | errors | turns/s | tokens/s | proxy CPU per turn, each replica |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        cpu = ", ".join(f"{_f(c)} ms" for c in r["cpu_ms_per_turn"])
+        kind = "streamed" if r["stream"] else "whole"
+        lines.append(
+            f"| {r['replicas']} | {kind} | {r['turns']} | {r['errors']} | "
+            f"{_f(r['turns_per_s'], 0)} | {_f(r['tokens_per_s'], 0)} | {cpu} |"
+        )
+    return "\n".join(lines)
+
+
 def _verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "**missed**")
 
@@ -349,4 +364,6 @@ def render(
         parts += ["## Memory", "", memory_table(results["memory"]), ""]
     if "profile" in results:
         parts += ["## Profile", "", profile_table(results["profile"]), ""]
+    if results.get("replicas"):
+        parts += ["## One proxy and two replicas", "", replicas_table(results["replicas"]), ""]
     return "\n".join(parts)

@@ -162,3 +162,48 @@ def test_profile_summary_ranks_self_time(tmp_path: Path) -> None:
     top = summarize_profile(raw)
     assert top[0] == ("encode (c.py)", 60.0, 60.0)
     assert ("handle (b.py)", 30.0, 90.0) in top
+
+
+def test_the_replicas_section_measures_one_and_two_replicas(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """One proxy, then two --peers replicas with one worker process joined to both: every
+    turn completes, and each replica reports its CPU per turn."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--no-litellm",
+            "--sections",
+            "replicas",
+            "--model",
+            str(tiny_model_dir),
+            "--json",
+            str(tmp_path / "results.json"),
+            "--out",
+            str(tmp_path / "RESULTS.md"),
+        ],
+        cwd=REPO,
+        check=False,
+        timeout=300 * TIMEOUT_FACTOR,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["replicas"]
+    sizes = Sizes.quick()
+    assert [(r["replicas"], r["stream"]) for r in rows] == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    ]
+    for row in rows:
+        assert row["errors"] == 0, row["first_error"]
+        wanted = sizes.replica_stream_turns if row["stream"] else sizes.replica_turns
+        assert row["turns"] == wanted
+        assert len(row["cpu_ms_per_turn"]) == row["replicas"]
+        assert all(cpu > 0 for cpu in row["cpu_ms_per_turn"])
+    assert "## One proxy and two replicas" in (tmp_path / "RESULTS.md").read_text()
