@@ -19,7 +19,13 @@ from typing import Any
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.harmony import HarmonySplitter
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
-from proxy.chat.reasoning import Piece, ReasoningPiece, ReasoningSplitter, Splitter
+from proxy.chat.reasoning import (
+    Piece,
+    ReasoningPiece,
+    ReasoningSplitter,
+    Splitter,
+    split_whole,
+)
 from proxy.chat.stops import StopMatcher
 from proxy.exceptions import (
     ContextLengthError,
@@ -425,11 +431,8 @@ class TurnService:
     ) -> TurnResult:
         session, plan, renderer = prepared.session, prepared.plan, prepared.served.renderer
         if parsed is None:
-            splitter = self._splitter(prepared)
-            splitter.feed(renderer.completion_text(ids))
-            splitter.finish()
-            reasoning = "".join(splitter.reasoning)
-            parsed = renderer.parse("".join(splitter.answer), prepared.request.tools)
+            reasoning, answer = split_whole(self._splitter(prepared), renderer.completion_text(ids))
+            parsed = renderer.parse(answer, prepared.request.tools)
         # Tool calls keep the ids a streaming client already saw; malformed output has none.
         made: list[ToolCall] = []
         for i, c in enumerate(parsed.tool_calls):

@@ -158,9 +158,13 @@ def _trailing_newlines(text: str) -> int:
     return len(text) - len(text.rstrip("\n"))
 
 
-def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str, str]:
-    """(reasoning, answer) of a whole reply."""
-    splitter = ReasoningSplitter(in_reasoning=in_reasoning)
+def split_whole(splitter: Splitter, text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a whole reply, through a fresh ``splitter``."""
     splitter.feed(text)
     splitter.finish()
     return "".join(splitter.reasoning), "".join(splitter.answer)
+
+
+def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of a whole think-tag reply."""
+    return split_whole(ReasoningSplitter(in_reasoning=in_reasoning), text)
