@@ -32,6 +32,7 @@ from proxy.sessions.model import Session, TurnNode
 
 COOKIE = "rr_ui"
 COOKIE_SECONDS = 12 * 3600
+SESSIONS_LISTED = 200  # the newest ones
 _ASSETS = {
     "viewer.js": "text/javascript",
     "viewer.css": "text/css",
@@ -147,7 +148,6 @@ def _turn(node: TurnNode) -> dict[str, Any]:
 
 async def list_sessions(request: web.Request) -> web.Response:
     _require(request)
-    sessions, _ = request.app[SESSIONS].page(limit=1000, after=None)
     rows = [
         {
             "trial_id": s.trial_id,
@@ -158,7 +158,7 @@ async def list_sessions(request: web.Request) -> web.Response:
             "reward": s.reward,
             "updated_at": s.updated_at,
         }
-        for s in reversed(sessions)  # newest first
+        for s in request.app[SESSIONS].newest(SESSIONS_LISTED)
     ]
     return json_response({"sessions": rows})
 

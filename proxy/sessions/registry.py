@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -62,6 +63,11 @@ class SessionRegistry:
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
+
+    def newest(self, limit: int) -> list[Session]:
+        """The ``limit`` most recently registered sessions, newest first, without sorting
+        the others (the viewer asks every few seconds)."""
+        return list(itertools.islice(reversed(self._sessions.values()), limit))
 
     def restore(self, loaded: LoadedState) -> None:
         """Take over what a store held (at startup, before serving)."""
