@@ -263,8 +263,8 @@ async def test_a_replica_killed_and_restarted_loses_nothing(
         ]
 
 
-def _an_id_owned_by(url: str, peers: list[str]) -> str:
-    return next(f"trial-{i}" for i in range(1000) if owner(f"trial-{i}", peers) == url)
+def _an_id_owned_by(url: str, peers: list[str], prefix: str = "trial") -> str:
+    return next(f"{prefix}-{i}" for i in range(1000) if owner(f"{prefix}-{i}", peers) == url)
 
 
 async def test_a_forwarded_request_at_a_replica_that_does_not_own_it_is_421(
@@ -342,3 +342,21 @@ async def test_a_worker_follows_a_name_that_resolves_to_every_replica(
         await asyncio.gather(task, return_exceptions=True)
         for running in started:
             await running.stop()
+
+
+async def test_an_unknown_trial_is_404_from_its_owner_whichever_replica_is_asked(
+    replicas: tuple[Replica, Replica], first_worker: WorkerFleet
+) -> None:
+    """Every id has an owner (the hash always picks one); one nobody registered is a 404
+    in the caller's format from that owner, asked directly or through the other."""
+    a, b = replicas
+    trial_id = _an_id_owned_by(b.url, [a.url, b.url], prefix="nobody")
+    async with aiohttp.ClientSession() as http:
+        for via in (a.url, b.url):
+            async with http.get(f"{via}/sessions/{trial_id}") as response:
+                assert response.status == 404
+                assert (await response.json())["error"]["code"] == "trial_not_found"
+            body = {"model": "m", "messages": MESSAGES}
+            async with http.post(f"{via}/{trial_id}/v1/messages", json=body) as response:
+                assert response.status == 404
+                assert (await response.json())["type"] == "error"  # Anthropic's shape
