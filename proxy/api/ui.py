@@ -31,6 +31,8 @@ from proxy.exceptions import AuthenticationError, BadRequestError, NotFoundError
 from proxy.sessions.model import Session, TurnNode
 
 COOKIE = "rr_ui"
+_PARTIAL = "\ufffd"  # what decoding part of a character's bytes gives
+_MAX_SPLIT = 8  # tokens one character may be spread over (UTF-8: 4 bytes at most)
 COOKIE_SECONDS = 12 * 3600
 SESSIONS_LISTED = 200  # the newest ones
 _ASSETS = {
@@ -191,12 +193,40 @@ def _texts(request: web.Request, session: Session, model: str, ids: list[int]) -
     )
     if served is None:
         return [f"<{i}>" for i in ids]
-    tokenizer = served.renderer.tokenizer
+    return token_texts(served.renderer.tokenizer, ids)
+
+
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's text, decoded in one batch. A character whose bytes are split over
+    several tokens is shown on the token that completes it (the others show nothing),
+    instead of as replacement characters."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def decode(part: list[int]) -> str:
+        if backend is not None:
+            text: str = backend.decode(part, skip_special_tokens=False)
+            return text
+        return str(tokenizer.decode(part, skip_special_tokens=False))
+
     if backend is not None:
         texts: list[str] = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        return texts
-    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    else:
+        texts = [decode([i]) for i in ids]
+    at = 0
+    while at < len(texts):
+        if _PARTIAL not in texts[at]:
+            at += 1
+            continue
+        end = at
+        while end < len(texts) and _PARTIAL in texts[end] and end - at < _MAX_SPLIT:
+            end += 1
+        for stop in (end, end + 1):  # the run alone, or with the token after it
+            joined = decode(ids[at:stop])
+            if stop <= len(ids) and _PARTIAL not in joined:
+                texts[at:stop] = [""] * (stop - at - 1) + [joined]
+                break
+        at = max(end, at + 1)
+    return texts
 
 
 async def trajectory_tokens(request: web.Request) -> web.Response:
