@@ -383,8 +383,9 @@ def test_proxy_is_one_replica_with_a_persistent_store(overlay: str) -> None:
 
 
 def test_network_policy_lets_only_clients_and_workers_in() -> None:
-    """The proxy takes ingress only on its port from labelled clients and the workers, and
-    opens nothing but DNS; workers take no ingress."""
+    """The proxy takes ingress only on its port from labelled clients, the workers and the
+    other replicas, and opens nothing but DNS and the other replicas' port (forwarding to
+    a trial's owner); workers take no ingress."""
     objects = rendered("base")
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
     proxy = policies["rollout-relay-proxy"]
@@ -393,7 +394,11 @@ def test_network_policy_lets_only_clients_and_workers_in() -> None:
     assert [p["port"] for p in rule["ports"]] == ["http"]
     peers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     assert {"rollout-relay.io/client": "true"} in peers
-    assert {p["port"] for r in proxy["egress"] for p in r["ports"]} == {53}
+    replicas = {"app.kubernetes.io/name": "rollout-relay", "app.kubernetes.io/component": "proxy"}
+    assert replicas in peers
+    assert {p["port"] for r in proxy["egress"] for p in r["ports"]} == {53, 8080}
+    (forwarding,) = [r for r in proxy["egress"] if {p["port"] for p in r["ports"]} == {8080}]
+    assert [peer["podSelector"]["matchLabels"] for peer in forwarding["to"]] == [replicas]
     assert policies["rollout-relay-worker"]["ingress"] == []
 
 
