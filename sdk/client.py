@@ -73,7 +73,7 @@ class ProxyClient(HttpClient):
     async def _owner(self, trial_id: str) -> str:
         """The replica that owns ``trial_id``: the proxies say who they all are
         (``GET /cluster``, asked once) and the owner follows from the id alone. A single
-        proxy, or one that does not say, is asked everything."""
+        proxy (or replica), or one that does not say, is asked everything."""
         if self._peers is None:
             try:
                 async with self._session().get(
@@ -83,13 +83,21 @@ class ProxyClient(HttpClient):
                 self._peers = tuple(info.get("peers") or ())
             except (aiohttp.ClientError, ValueError):
                 return self.proxy_url  # not cached: asked again next time
-        return owner(trial_id, self._peers) if self._peers else self.proxy_url
+        return owner(trial_id, self._peers) if len(self._peers) > 1 else self.proxy_url
 
     async def _trial_request(
         self, method: str, trial_id: str, path: str, payload: Any = None
     ) -> Any:
-        """A request about one trial, sent to the replica that owns it."""
-        return await self._request(method, path, payload, base=await self._owner(trial_id))
+        """A request about one trial, sent to the replica that owns it; through the
+        replica this client was given (which forwards it) when the owner's own URL cannot
+        be reached from here (a port-forward from outside the cluster)."""
+        base = await self._owner(trial_id)
+        if base == self.proxy_url:
+            return await self._request(method, path, payload)
+        try:
+            return await self._request(method, path, payload, base=base)
+        except aiohttp.ClientConnectorError:
+            return await self._request(method, path, payload)
 
     async def _request(
         self, method: str, path: str, payload: Any = None, *, base: str | None = None

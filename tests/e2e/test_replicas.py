@@ -360,3 +360,25 @@ async def test_an_unknown_trial_is_404_from_its_owner_whichever_replica_is_asked
             async with http.post(f"{via}/{trial_id}/v1/messages", json=body) as response:
                 assert response.status == 404
                 assert (await response.json())["type"] == "error"  # Anthropic's shape
+
+
+async def test_the_sdk_falls_back_to_its_replica_when_an_owner_is_out_of_reach(
+    replicas: tuple[Replica, Replica], first_worker: WorkerFleet
+) -> None:
+    """From outside a cluster (a port-forward to one replica) the replicas' own URLs do
+    not resolve: the SDK then sends a trial's calls through the replica it was given,
+    which forwards them to the owner."""
+    a, b = replicas
+    async with ProxyClient(a.url) as client:
+        # What a client outside the cluster sees: an owner it cannot connect to.
+        client._peers = ("http://127.0.0.1:9", a.url)
+        trial_id = next(
+            f"outside-{i}"
+            for i in range(1000)
+            if owner(f"outside-{i}", list(client._peers)) == "http://127.0.0.1:9"
+        )
+        created = await client.create_session(trial_id)
+        assert created.base_url == f"{owner(trial_id, [a.url, b.url])}/{trial_id}/v1"
+        assert (await client.get_session(trial_id))["trial_id"] == trial_id
+        await client.complete(trial_id, reward=1.0)
+        assert (await client.trajectories(trial_id))["reward"] == 1.0
