@@ -30,13 +30,13 @@ import re
 from enum import Enum
 from typing import Final
 
-from proxy.chat.reasoning import AnswerPiece, Piece, ReasoningPiece
+from proxy.chat.reasoning import AnswerPiece, Piece, PieceCollector, ReasoningPiece
+from proxy.chat.stops import held_back
 
 MESSAGE: Final = "<|message|>"
 START: Final = "<|start|>"
 CHANNEL: Final = "<|channel|>"
 ENDS: Final = ("<|end|>", "<|call|>", "<|return|>")
-_SPECIAL_START: Final = "<|"
 _RECIPIENT: Final = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL: Final = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
@@ -59,20 +59,19 @@ def call_markup(recipient: str, arguments: str) -> str:
     return f"{START}assistant to={recipient}{CHANNEL}commentary json{MESSAGE}{arguments}<|call|>"
 
 
-class HarmonySplitter:
+class HarmonySplitter(PieceCollector):
     """One harmony reply's text in, reasoning and answer pieces out (the same interface as
     :class:`proxy.chat.reasoning.ReasoningSplitter`)."""
 
-    __slots__ = ("_body", "_buffer", "_recipient", "_route", "_state", "answer", "reasoning")
+    __slots__ = ("_body", "_buffer", "_recipient", "_route", "_state")
 
     def __init__(self) -> None:
+        super().__init__()
         self._state = _State.START
         self._buffer = ""
         self._route = _Route.ANSWER
         self._recipient = ""
         self._body: list[str] = []  # a tool call's arguments so far
-        self.reasoning: list[str] = []
-        self.answer: list[str] = []
 
     def feed(self, text: str) -> list[Piece]:
         self._buffer += text
@@ -87,13 +86,6 @@ class HarmonySplitter:
             self._emit(pieces, ReasoningPiece(self._buffer))
         self._buffer = ""
         return pieces
-
-    def _emit(self, pieces: list[Piece], piece: Piece) -> None:
-        if piece.text:
-            (self.reasoning if isinstance(piece, ReasoningPiece) else self.answer).append(
-                piece.text
-            )
-            pieces.append(piece)
 
     def _drain(self, *, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
@@ -128,7 +120,7 @@ class HarmonySplitter:
                 self._buffer = buffer[end + size :]
                 self._state = _State.HEADER
                 continue
-            keep = 0 if final else _held(buffer)
+            keep = 0 if final else held_back(buffer, *ENDS, START)
             self._body_text(pieces, buffer[: len(buffer) - keep])
             self._buffer = buffer[len(buffer) - keep :]
             break
@@ -165,13 +157,3 @@ def _first_end(text: str) -> tuple[int, int]:
     found = [(text.find(t), len(t)) for t in (*ENDS, START)]
     hits = [(at, size) for at, size in found if at >= 0]
     return min(hits) if hits else (-1, 0)
-
-
-def _held(text: str) -> int:
-    """How many characters at the end of ``text`` could begin a special token."""
-    at = text.rfind(_SPECIAL_START[0])
-    if at < 0:
-        return 0
-    tail = text[at:]
-    candidates = (*ENDS, START)
-    return len(tail) if any(c.startswith(tail) for c in candidates) else 0

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from proxy.chat.stops import held_back
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -64,35 +66,15 @@ def opens_reasoning(prompt_tail: str) -> bool:
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
 
 
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
+class PieceCollector:
+    """What every splitter shares: each non-empty piece goes out and into ``reasoning`` or
+    ``answer``."""
 
+    __slots__ = ("answer", "reasoning")
 
-class ReasoningSplitter:
-    """One reply's text in, reasoning and answer pieces out."""
-
-    __slots__ = ("_buffer", "_lead", "_state", "answer", "reasoning")
-
-    def __init__(self, *, in_reasoning: bool = False, enabled: bool = True) -> None:
-        """``enabled=False``: a model without reasoning, every piece is answer."""
-        self._state = (
-            _State.ANSWER if not enabled else _State.REASONING if in_reasoning else _State.START
-        )
-        self._buffer = ""
-        self._lead = in_reasoning  # newlines right after the open tag are dropped
+    def __init__(self) -> None:
         self.reasoning: list[str] = []
         self.answer: list[str] = []
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        return self._drain(final=False)
-
-    def finish(self) -> list[Piece]:
-        return self._drain(final=True)
 
     def _emit(self, pieces: list[Piece], piece: Piece) -> None:
         if piece.text:
@@ -100,6 +82,28 @@ class ReasoningSplitter:
                 piece.text
             )
             pieces.append(piece)
+
+
+class ReasoningSplitter(PieceCollector):
+    """One reply's text in, reasoning and answer pieces out."""
+
+    __slots__ = ("_buffer", "_lead", "_state")
+
+    def __init__(self, *, in_reasoning: bool = False, enabled: bool = True) -> None:
+        """``enabled=False``: a model without reasoning, every piece is answer."""
+        self._state = (
+            _State.ANSWER if not enabled else _State.REASONING if in_reasoning else _State.START
+        )
+        super().__init__()
+        self._buffer = ""
+        self._lead = in_reasoning  # newlines right after the open tag are dropped
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._drain(final=True)
 
     def _drain(self, *, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
@@ -130,7 +134,7 @@ class ReasoningSplitter:
                     continue
                 keep = 0
                 if not final:  # a partial close tag, and the newlines before it
-                    tag = _held(buffer, CLOSE)
+                    tag = held_back(buffer, CLOSE)
                     keep = tag + _trailing_newlines(buffer[: len(buffer) - tag])
                 self._emit(pieces, ReasoningPiece(buffer[: len(buffer) - keep]))
                 self._buffer = buffer[len(buffer) - keep :]

@@ -11,6 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def held_back(text: str, *marks: str) -> int:
+    """How many characters at the end of ``text`` could be the start of one of ``marks``
+    (text a streaming reader must hold until the next piece says what it is)."""
+    longest = 0
+    for mark in marks:
+        for size in range(min(len(mark) - 1, len(text)), longest, -1):
+            if mark.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
+
+
 class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
@@ -32,12 +44,7 @@ class StopMatcher:
             self.hit = first[1]
             self._held = ""
             return buffer[: first[0]]
-        keep = 0
-        for stop in self.stops:  # longest suffix of buffer that starts some stop string
-            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
-                if stop.startswith(buffer[-n:]):
-                    keep = n
-                    break
+        keep = held_back(buffer, *self.stops)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
