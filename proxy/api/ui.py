@@ -26,7 +26,7 @@ from aiohttp import web
 
 from proxy.api.errors import json_response
 from proxy.appkeys import CONFIG, MODELS, SESSIONS
-from proxy.auth import presented_credentials, secret_equal
+from proxy.auth import AuthPolicy, Verdict, presented_credentials, secret_equal
 from proxy.exceptions import AuthenticationError, BadRequestError, NotFoundError
 from proxy.sessions.model import Session, TurnNode
 
@@ -66,12 +66,17 @@ def cookie_valid(admin_token: str, value: str, *, now: float | None = None) -> b
 
 
 def _signed_in(request: web.Request) -> bool:
+    """The admin door's own check (an open proxy, or the admin token presented), or the
+    sign-in cookie."""
     token = request.app[CONFIG].admin_token
-    if not token:
-        return True  # the proxy runs open
-    if any(secret_equal(token, c) for c in presented_credentials(request.headers)):
+    credentials = presented_credentials(request.headers)
+    if AuthPolicy(token).check_admin(credentials, _no_trial_keys) is Verdict.ALLOW:
         return True
-    return cookie_valid(token, request.cookies.get(COOKIE, ""))
+    return token is not None and cookie_valid(token, request.cookies.get(COOKIE, ""))
+
+
+def _no_trial_keys(trial_id: str) -> None:
+    return None  # a trial key never opens the viewer, whichever trial it names
 
 
 def _require(request: web.Request) -> None:
@@ -100,11 +105,11 @@ async def login(request: web.Request) -> web.Response:
     token = request.app[CONFIG].admin_token
     form = await request.post()
     given = form.get("token")
-    if token and not (isinstance(given, str) and secret_equal(token, given.strip())):
+    if token is not None and not (isinstance(given, str) and secret_equal(token, given.strip())):
         text = _asset("login.html").replace("<!--error-->", "That is not the admin token.")
         return web.Response(text=text, content_type="text/html", status=401)
     response = web.HTTPSeeOther("/ui/")
-    if token:
+    if token is not None:
         response.set_cookie(
             COOKIE,
             make_cookie(token),
