@@ -29,7 +29,7 @@ from proxy.exceptions import (
     MisdirectedRequestError,
     ServiceUnavailableError,
 )
-from relay.cluster import ClusterError, normalize_url, owner, validate_peers
+from relay.cluster import ClusterError, normalize_url, pick_owner, validate_peers
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Cluster:
 
     def owner_of(self, trial_id: str) -> str | None:
         """The owning replica's URL, or None when this replica owns the trial."""
-        found = owner(trial_id, self.peers)
+        found = pick_owner(trial_id, self.peers)  # normalized by validate_peers
         return None if found == self.me else found
 
     def owns(self, trial_id: str) -> bool:

@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-__all__ = ["ClusterError", "normalize_url", "owner", "validate_peers"]
+__all__ = ["ClusterError", "normalize_url", "owner", "pick_owner", "validate_peers"]
 
 
 class ClusterError(ValueError):
@@ -35,9 +35,15 @@ def _score(peer: str, trial_id: str) -> bytes:
 
 def owner(trial_id: str, peers: Sequence[str]) -> str:
     """The replica (one of ``peers``, normalized) that owns ``trial_id``."""
-    if not peers:
+    return pick_owner(trial_id, [normalize_url(p) for p in peers])
+
+
+def pick_owner(trial_id: str, normalized: Sequence[str]) -> str:
+    """``owner`` over a list already normalized (a proxy's own, checked at start-up): no
+    URL parsing per request."""
+    if not normalized:
         raise ClusterError("no replicas")
-    return max((normalize_url(p) for p in peers), key=lambda p: _score(p, trial_id))
+    return max(normalized, key=lambda p: _score(p, trial_id))
 
 
 def validate_peers(public_url: str | None, peers: Sequence[str]) -> tuple[str, ...]:
