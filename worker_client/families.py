@@ -67,6 +67,10 @@ class Family:
         return (self.folder / "chat_template.jinja").read_text()
 
     def vocabulary_file(self) -> Path:
+        return self._package_file("file")
+
+    def _package_file(self, key: str) -> Path:
+        """The file ``vocabulary[key]`` names inside the installed package."""
         source = self.spec["vocabulary"]
         found = importlib.util.find_spec(source["package"])
         if found is None or not found.submodule_search_locations:
@@ -74,16 +78,10 @@ class Family:
                 f"family {self.name}: the package {source['package']!r} that ships its "
                 "vocabulary is not installed"
             )
-        path = Path(str(next(iter(found.submodule_search_locations)))) / str(source["file"])
+        path = Path(str(next(iter(found.submodule_search_locations)))) / str(source[key])
         if not path.is_file():
             raise FamilyError(f"family {self.name}: {path} does not exist")
         return path
-
-    def _package_file(self, name: str) -> Path:
-        source = self.spec["vocabulary"]
-        return self.vocabulary_file().parent / Path(str(source[name])).relative_to(
-            Path(str(source["file"])).parent
-        )
 
     def _backend(self) -> Any:
         from tokenizers import AddedToken, Tokenizer
