@@ -26,7 +26,7 @@ fi
 # downloads no browser of its own.
 if ! command -v chromium >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
     else
         echo "the viewer test needs Debian's chromium: apt-get install chromium" >&2
     fi
