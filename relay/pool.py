@@ -257,8 +257,15 @@ class RelayCall:
         self.started_at: float | None = None
         # Tokens that arrived so far (over every attempt): a re-dispatch continues from them.
         self.received = array("i")
+        self.first_token_at: float | None = None  # perf_counter() when tokens first came
         self._slot: asyncio.Future[WorkerHandle] | None = None
-        self._events: asyncio.Queue[RelayEvent | RelayError] = asyncio.Queue()
+        # Events not yet taken by ``events()``, the consumer's wake-up, and how many of
+        # the waiting events are not tokens (a consumer that only wants the result is
+        # woken by those alone).
+        self._pending: deque[RelayEvent | RelayError] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_on_tokens = True
+        self._decisive = 0
 
     def __repr__(self) -> str:
         return f"<RelayCall {self.request_id} {self.state.value} worker={self.worker_id}>"
@@ -289,12 +296,38 @@ class RelayCall:
         return protocol.Generate(self.request_id, self.model, prompt, sampling)
 
     def _push(self, event: RelayEvent | RelayError) -> None:
-        self._events.put_nowait(event)
+        self._pending.append(event)
+        if isinstance(event, TokensEvent):
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            if not self._wake_on_tokens:
+                return
+        else:
+            self._decisive += 1
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    async def events(self) -> AsyncIterator[RelayEvent]:
-        """Yield events until ``FinishedEvent``; raise the call's error if it failed."""
+    def _ready(self) -> bool:
+        return self._decisive > 0 if not self._wake_on_tokens else bool(self._pending)
+
+    async def events(self, *, wake_on_tokens: bool = True) -> AsyncIterator[RelayEvent]:
+        """Yield events until ``FinishedEvent``; raise the call's error if it failed.
+
+        ``wake_on_tokens=False`` is for a consumer that only wants the whole reply: it
+        is not woken for every engine step, only when something else happens (the end,
+        a restart, an error); it then gets every event in order, tokens included."""
+        self._wake_on_tokens = wake_on_tokens
         while True:
-            event = await self._events.get()
+            if not self._ready():
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            event = self._pending.popleft()
+            if not isinstance(event, TokensEvent):
+                self._decisive -= 1
             if isinstance(event, RelayError):
                 raise event
             yield event
@@ -603,19 +636,30 @@ class WorkerPool:
             return
         if isinstance(message, protocol.Pong | protocol.Hello):
             return
-        if message.request_id is None:
-            assert isinstance(message, protocol.Error)
+        if isinstance(message, protocol.Batch):
+            finished = False
+            for frame in message.frames:
+                finished = self._route(handle, frame) or finished
+        elif message.request_id is None:
             log.warning("worker %s reported: %s", handle.worker_id, message.message)
             return
-        rid = RequestId(message.request_id)
+        else:
+            finished = self._route(handle, message)
+        if finished:
+            await self._notify()
+
+    def _route(self, handle: WorkerHandle, message: protocol.RequestFrame) -> bool:
+        """Hand one request's frame to its call; True when it ended the request (a slot
+        came free)."""
+        rid = RequestId(message.request_id or "")
         call = self._calls.get(rid)
         if call is None or call.worker_id != handle.worker_id:
-            return  # late frames of a cancelled or re-dispatched request
+            return False  # late frames of a cancelled or re-dispatched request
         if isinstance(message, protocol.Delta):
             ids = protocol.unpack_ids(message.token_ids)
             call.received.extend(ids)
             call._push(TokensEvent(ids, protocol.unpack_logprobs(message.logprobs)))
-            return
+            return False
         handle.in_flight.discard(rid)
         self._calls.pop(rid, None)
         if isinstance(message, protocol.Done):
@@ -631,4 +675,4 @@ class WorkerPool:
             call._push(FinishedEvent(message.finish_reason, handle.worker_id, dict(message.extra)))
         else:
             self._fail(call, WorkerFailedError(message.code, message.message))
-        await self._notify()
+        return True

@@ -2,7 +2,9 @@
 
 Workers dial out to the proxy (GPU nodes accept no inbound traffic) and keep one WebSocket
 open. Every WebSocket binary message carries exactly one protocol message, encoded with
-MessagePack (``msgspec``). Token ids travel as packed little-endian ``int32`` arrays and
+MessagePack (``msgspec``); a ``Batch`` is one message that carries the request frames a
+worker had ready together (one engine step's tokens for every running request), so a
+step costs the proxy one frame to receive, not one per request. Token ids travel as packed little-endian ``int32`` arrays and
 logprobs as packed little-endian ``float32`` arrays: a 4k-token completion is 32 KiB on the
 wire instead of a JSON list of floats.
 
@@ -14,12 +16,17 @@ Conversation::
       | <------------- Generate(request_id, prompt) ------- |
       | -- Delta(request_id, ids, logprobs) ... ----------> |
       | -- Done(request_id, finish_reason, tail) ---------> |   (or Error(request_id))
+      | -- Batch([Delta | Done | Error, ...]) ------------> |   (version 2: several at once)
       | <------------- Cancel(request_id) ----------------- |   (agent went away)
       | <-> Ping / Pong (either side, liveness) <---------> |
 
 States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
 endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
 state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
+
+Versions: a proxy speaks every version in ``SUPPORTED_VERSIONS`` and welcomes a worker in
+the version of its hello; a worker sends ``Batch`` only when welcomed in version 2. So a
+proxy upgraded first keeps serving the workers that are not yet upgraded.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import msgspec
 
 from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
+BATCH_VERSION = 2  # the first version with Batch frames
 
 _LITTLE = sys.byteorder == "little"
 
@@ -146,6 +155,16 @@ class Error(msgspec.Struct, frozen=True, tag="error"):
     request_id: str | None = None
 
 
+RequestFrame = Delta | Done | Error
+
+
+class Batch(msgspec.Struct, frozen=True, tag="batch"):
+    """Request frames sent together, in the order they are handled (a request's tokens
+    before its ``Done``). Never empty, never nested."""
+
+    frames: list[RequestFrame]
+
+
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
     request_id: str
 
@@ -158,9 +177,9 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
     nonce: int
 
 
-WorkerMessage = Hello | Delta | Done | Error | Ping | Pong
+WorkerMessage = Hello | Delta | Done | Error | Batch | Ping | Pong
 ProxyMessage = Welcome | Generate | Cancel | Error | Ping | Pong
-Message = Hello | Welcome | Generate | Delta | Done | Error | Cancel | Ping | Pong
+Message = Hello | Welcome | Generate | Delta | Done | Error | Batch | Cancel | Ping | Pong
 
 _encoder = msgspec.msgpack.Encoder()
 _worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
@@ -200,6 +219,7 @@ class _Endpoint:
     def __init__(self) -> None:
         self.state = ConnectionState.AWAITING_HELLO
         self.in_flight: set[str] = set()
+        self.version = PROTOCOL_VERSION  # the version agreed in the handshake
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.state.value} in_flight={len(self.in_flight)}>"
@@ -225,33 +245,45 @@ class ProxyEndpoint(_Endpoint):
         self.cancelled: set[str] = set()
 
     def receive(self, data: bytes) -> WorkerMessage:
-        """Decode and check a frame from the worker."""
+        """Decode and check a frame from the worker (every frame of a batch)."""
         message = decode_worker_message(data)
         if isinstance(message, Hello):
             self._require(ConnectionState.AWAITING_HELLO, "hello")
-            if message.protocol_version != PROTOCOL_VERSION:
+            if message.protocol_version not in SUPPORTED_VERSIONS:
                 raise VersionMismatchError(
                     f"worker speaks protocol {message.protocol_version}, "
-                    f"proxy speaks {PROTOCOL_VERSION}"
+                    f"proxy speaks {', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}"
                 )
+            self.version = message.protocol_version
             return message
         self._require(ConnectionState.OPEN, type(message).__name__.lower())
-        if isinstance(message, Delta | Done) or (
+        if isinstance(message, Batch):
+            if self.version < BATCH_VERSION:
+                raise IllegalTransitionError(f"batch frames need protocol {BATCH_VERSION}")
+            if not message.frames:
+                raise FrameError("an empty batch")
+            for frame in message.frames:
+                self._check_request_frame(frame)
+        elif isinstance(message, Delta | Done) or (
             isinstance(message, Error) and message.request_id is not None
         ):
-            request_id = message.request_id
-            assert request_id is not None
-            if request_id not in self.in_flight and request_id not in self.cancelled:
-                raise IllegalTransitionError(f"message for unknown request {request_id!r}")
-            if not isinstance(message, Delta):
-                self.in_flight.discard(request_id)
-                self.cancelled.discard(request_id)
+            self._check_request_frame(message)
         return message
+
+    def _check_request_frame(self, message: RequestFrame) -> None:
+        request_id = message.request_id
+        if request_id is None:
+            raise FrameError("a batch carries request frames only")
+        if request_id not in self.in_flight and request_id not in self.cancelled:
+            raise IllegalTransitionError(f"message for unknown request {request_id!r}")
+        if not isinstance(message, Delta):
+            self.in_flight.discard(request_id)
+            self.cancelled.discard(request_id)
 
     def accept(self, heartbeat_interval: float) -> bytes:
         self._require(ConnectionState.AWAITING_HELLO, "welcome")
         self.state = ConnectionState.OPEN
-        return encode(Welcome(PROTOCOL_VERSION, heartbeat_interval))
+        return encode(Welcome(self.version, heartbeat_interval))
 
     def generate(self, message: Generate) -> bytes:
         self._require(ConnectionState.OPEN, "generate")
@@ -281,11 +313,12 @@ class WorkerEndpoint(_Endpoint):
         message = decode_proxy_message(data)
         if isinstance(message, Welcome):
             self._require(ConnectionState.AWAITING_HELLO, "welcome")
-            if message.protocol_version != PROTOCOL_VERSION:
+            if message.protocol_version not in SUPPORTED_VERSIONS:
                 raise VersionMismatchError(
                     f"proxy speaks protocol {message.protocol_version}, "
-                    f"worker speaks {PROTOCOL_VERSION}"
+                    f"worker speaks {', '.join(map(str, sorted(SUPPORTED_VERSIONS)))}"
                 )
+            self.version = message.protocol_version
             self.state = ConnectionState.OPEN
             return message
         if isinstance(message, Error) and self.state is ConnectionState.AWAITING_HELLO:
@@ -299,6 +332,19 @@ class WorkerEndpoint(_Endpoint):
 
     def finish(self, message: Done | Error) -> bytes:
         """Encode the final message of a request and forget it."""
-        if message.request_id is not None:
+        return encode(self._forget(message))
+
+    def send_frames(self, frames: list[RequestFrame]) -> list[bytes]:
+        """Encode request frames to send together: one ``Batch`` when the proxy speaks
+        it and there are several, else one message each. Finished requests are
+        forgotten."""
+        for frame in frames:
+            self._forget(frame)
+        if len(frames) > 1 and self.version >= BATCH_VERSION:
+            return [encode(Batch(frames))]
+        return [encode(frame) for frame in frames]
+
+    def _forget(self, message: RequestFrame) -> RequestFrame:
+        if not isinstance(message, Delta) and message.request_id is not None:
             self.in_flight.discard(message.request_id)
-        return encode(message)
+        return message

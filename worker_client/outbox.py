@@ -4,8 +4,10 @@ Requests hand their token chunks and final messages to the ``Outbox`` without wa
 single sender task writes them to the WebSocket. Chunks of one request that are waiting
 together leave as one ``Delta`` (and a ``Done`` takes the tokens still waiting as its
 tail), so when the engine produces faster than the connection sends, frames get fewer and
-larger instead of queueing one per token. Nothing is held back to wait for more: a chunk
-that arrives while the sender is idle goes out on the next turn of the event loop.
+larger instead of queueing one per token; and what every request has waiting leaves as one
+``Batch`` message (an engine step's tokens for all its requests are one WebSocket frame).
+Nothing is held back to wait for more: a chunk that arrives while the sender is idle goes
+out on the next turn of the event loop.
 
 Within a request, order is kept: its tokens are sent before its ``Done`` or ``Error``.
 """
@@ -71,9 +73,11 @@ class Outbox:
         self._ready.set()
 
     def take(self) -> list[bytes]:
-        """Every frame waiting now, encoded, in the order to send them."""
-        frames, self._control = self._control, []
+        """Every frame waiting now, encoded, in the order to send them: control frames,
+        then every request's frames (one ``Batch`` when the proxy takes batches)."""
+        control, self._control = self._control, []
         waiting, self._waiting = self._waiting, {}
+        frames: list[protocol.RequestFrame] = []
         for request_id, item in waiting.items():
             final = item.final
             if isinstance(final, protocol.Done):
@@ -83,21 +87,19 @@ class Outbox:
                         token_ids=protocol.pack_ids(item.ids) + final.token_ids,
                         logprobs=protocol.pack_logprobs(item.logprobs) + final.logprobs,
                     )
-                frames.append(self._endpoint.finish(final))
+                frames.append(final)
                 continue
             if item.ids:
                 frames.append(
-                    protocol.encode(
-                        protocol.Delta(
-                            request_id,
-                            protocol.pack_ids(item.ids),
-                            protocol.pack_logprobs(item.logprobs),
-                        )
+                    protocol.Delta(
+                        request_id,
+                        protocol.pack_ids(item.ids),
+                        protocol.pack_logprobs(item.logprobs),
                     )
                 )
             if final is not None:
-                frames.append(self._endpoint.finish(final))
-        return frames
+                frames.append(final)
+        return control + self._endpoint.send_frames(frames) if frames else control
 
     async def run(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """Send frames as they become ready, until cancelled or ``send`` fails."""

@@ -157,10 +157,66 @@ async def test_lost_worker_before_any_token_restarts_from_the_start() -> None:
     assert [type(e) for e in _drain_nowait(call)] == [RestartedEvent]
 
 
+async def test_a_batch_reaches_every_call_it_names() -> None:
+    """One frame of a step: each call gets its own tokens, a finished one frees its slot,
+    and a frame of a request no longer wanted is dropped without disturbing the rest."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    sampling = protocol.Sampling(max_tokens=4)
+    first = await pool.start("tiny", [1], sampling, affinity="t1")
+    second = await pool.start("tiny", [2], sampling, affinity="t2")
+    gone = await pool.start("tiny", [3], sampling, affinity="t3")
+    await gone.cancel()
+    batch = protocol.Batch(
+        [
+            protocol.Delta(gone.request_id, protocol.pack_ids([6]), protocol.pack_logprobs([-1])),
+            protocol.Delta(first.request_id, protocol.pack_ids([7]), protocol.pack_logprobs([-1])),
+            protocol.Done(
+                second.request_id, "stop", protocol.pack_ids([8]), protocol.pack_logprobs([-2])
+            ),
+        ]
+    )
+    await pool.handle_message(handle, _frame(batch, handle))
+    assert [e.token_ids for e in _drain_nowait(first) if isinstance(e, TokensEvent)] == [[7]]
+    assert not [e for e in _drain_nowait(gone) if isinstance(e, TokensEvent)]
+    events = [e async for e in second.events()]
+    assert [type(e) for e in events] == [TokensEvent, FinishedEvent]
+    assert handle.in_flight == {first.request_id}
+    assert pool.in_flight == 1
+
+
+async def test_a_consumer_of_the_whole_reply_is_woken_once_not_per_step() -> None:
+    """``events(wake_on_tokens=False)`` sleeps through the token frames and then gets
+    every event in order; when the tokens first came is still known."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=4), affinity="t1")
+    rid = call.request_id
+    seen: list[object] = []
+
+    async def consume() -> None:
+        async for event in call.events(wake_on_tokens=False):
+            seen.append(event)
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    for token in (5, 6):
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert seen == []  # not woken by a step's tokens
+    assert call.first_token_at is not None
+    await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
+    await asyncio.wait_for(consumer, 5)
+    assert [getattr(e, "token_ids", None) for e in seen] == [[5], [6], None]
+    assert isinstance(seen[-1], FinishedEvent)
+
+
 def _drain_nowait(call: RelayCall) -> list[object]:
     events: list[object] = []
-    while not call._events.empty():
-        events.append(call._events.get_nowait())
+    while call._pending:
+        events.append(call._pending.popleft())
     return events
 
 

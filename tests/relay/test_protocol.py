@@ -59,6 +59,13 @@ def test_every_message_round_trips() -> None:
         protocol.Delta("r1", protocol.pack_ids([3]), protocol.pack_logprobs([-0.5])),
         protocol.Done("r1", "stop", b"", b"", {"policy_version": 3}),
         protocol.Error("engine_error", "boom", "r1"),
+        protocol.Batch(
+            [
+                protocol.Delta("r1", protocol.pack_ids([3]), protocol.pack_logprobs([-0.5])),
+                protocol.Done("r2", "length"),
+                protocol.Error("engine_error", "boom", "r3"),
+            ]
+        ),
         protocol.Pong(7),
     ]:
         assert protocol.decode_worker_message(protocol.encode(wmessage)) == wmessage
@@ -105,6 +112,59 @@ def test_version_mismatch_is_refused() -> None:
     with pytest.raises(VersionMismatchError):
         proxy.receive(worker.hello(_hello(version=protocol.PROTOCOL_VERSION + 1)))
     assert proxy.state is protocol.ConnectionState.AWAITING_HELLO
+
+
+def test_a_version_1_worker_is_welcomed_in_version_1() -> None:
+    """Workers not yet upgraded keep working with an upgraded proxy."""
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    proxy.receive(worker.hello(_hello(version=1)))
+    welcome = worker.receive(proxy.accept(10.0))
+    assert isinstance(welcome, protocol.Welcome)
+    assert welcome.protocol_version == 1
+    assert proxy.version == worker.version == 1
+
+
+def _with_requests(*rids: str) -> tuple[protocol.ProxyEndpoint, protocol.WorkerEndpoint]:
+    proxy, worker = _open_pair()
+    for rid in rids:
+        sampling = protocol.Sampling(max_tokens=4)
+        worker.receive(proxy.generate(protocol.Generate(rid, "tiny", b"", sampling)))
+    return proxy, worker
+
+
+def test_a_batch_is_checked_frame_by_frame() -> None:
+    """A batch's finished requests leave the in-flight set; its deltas keep theirs open."""
+    proxy, _worker = _with_requests("r1", "r2")
+    delta = protocol.Delta("r1", protocol.pack_ids([5]), protocol.pack_logprobs([-1.0]))
+    batch = proxy.receive(protocol.encode(protocol.Batch([delta, protocol.Done("r2", "stop")])))
+    assert isinstance(batch, protocol.Batch)
+    assert proxy.in_flight == {"r1"}
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [
+        ([], FrameError),
+        ([protocol.Done("nobody", "stop")], IllegalTransitionError),
+        ([protocol.Done("r1", "stop"), protocol.Error("engine_error", "oops")], FrameError),
+    ],
+    ids=["empty", "unknown request", "connection error inside"],
+)
+def test_bad_batches_are_protocol_errors(
+    frames: list[protocol.RequestFrame], error: type[Exception]
+) -> None:
+    proxy, _worker = _with_requests("r1")
+    with pytest.raises(error):
+        proxy.receive(protocol.encode(protocol.Batch(frames)))
+
+
+def test_a_batch_needs_version_2() -> None:
+    """A worker that said version 1 may not send one (it was promised single frames)."""
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    proxy.receive(worker.hello(_hello(version=1)))
+    worker.receive(proxy.accept(10.0))
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(protocol.encode(protocol.Batch([protocol.Done("r1", "stop")])))
 
 
 def test_worker_rejects_welcome_of_other_version() -> None:

@@ -11,10 +11,12 @@ from relay import protocol
 from worker_client.outbox import Outbox
 
 
-def _open_pair() -> tuple[protocol.WorkerEndpoint, protocol.ProxyEndpoint]:
+def _open_pair(
+    version: int = protocol.PROTOCOL_VERSION,
+) -> tuple[protocol.WorkerEndpoint, protocol.ProxyEndpoint]:
     """A worker endpoint and the proxy endpoint it talks to, both past the handshake."""
     worker, proxy = protocol.WorkerEndpoint(), protocol.ProxyEndpoint()
-    hello = protocol.Hello(protocol.PROTOCOL_VERSION, "w", "t", [])
+    hello = protocol.Hello(version, "w", "t", [])
     proxy.receive(worker.hello(hello))
     worker.receive(proxy.accept(5.0))
     return worker, proxy
@@ -26,7 +28,47 @@ def _start(worker: protocol.WorkerEndpoint, proxy: protocol.ProxyEndpoint, rid: 
 
 
 def _decode(proxy: protocol.ProxyEndpoint, frames: list[bytes]) -> list[protocol.WorkerMessage]:
-    return [proxy.receive(f) for f in frames]
+    """The messages of ``frames``, a batch's frames in its place."""
+    out: list[protocol.WorkerMessage] = []
+    for frame in frames:
+        message = proxy.receive(frame)
+        out.extend(message.frames if isinstance(message, protocol.Batch) else [message])
+    return out
+
+
+def test_what_several_requests_have_waiting_leaves_as_one_batch() -> None:
+    """One engine step's tokens for every running request: one WebSocket message."""
+    worker, proxy = _open_pair()
+    for rid in ("r1", "r2", "r3"):
+        _start(worker, proxy, rid)
+    box = Outbox(worker)
+    box.tokens("r1", [1], [-0.1])
+    box.tokens("r2", [2], [-0.2])
+    box.finish(protocol.Done("r3", "stop", protocol.pack_ids([3]), protocol.pack_logprobs([-0.3])))
+    box.control(protocol.encode(protocol.Pong(1)))
+    pong, batch = (proxy.receive(f) for f in box.take())
+    assert pong == protocol.Pong(1)
+    assert isinstance(batch, protocol.Batch)
+    assert [(type(f).__name__, f.request_id) for f in batch.frames] == [
+        ("Delta", "r1"),
+        ("Delta", "r2"),
+        ("Done", "r3"),
+    ]
+    assert worker.in_flight == proxy.in_flight == {"r1", "r2"}
+
+
+def test_a_proxy_of_version_1_gets_one_message_per_request() -> None:
+    """A worker welcomed in version 1 never sends a batch (that proxy cannot read one)."""
+    worker, proxy = _open_pair(version=1)
+    assert worker.version == proxy.version == 1
+    for rid in ("r1", "r2"):
+        _start(worker, proxy, rid)
+    box = Outbox(worker)
+    box.tokens("r1", [1], [-0.1])
+    box.tokens("r2", [2], [-0.2])
+    frames = box.take()
+    assert len(frames) == 2
+    assert [type(proxy.receive(f)).__name__ for f in frames] == ["Delta", "Delta"]
 
 
 def test_chunks_waiting_together_become_one_delta() -> None:
