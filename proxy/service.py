@@ -142,7 +142,6 @@ class PreparedTurn:
     call: RelayCall
     started: float
     received_at: float = 0.0  # when the turn's request reached the service
-    first_token_at: float | None = None
 
 
 class TurnService:
@@ -280,10 +279,8 @@ class TurnService:
         finished: FinishedEvent | None = None
         try:
             try:
-                async for event in prepared.call.events():
+                async for event in prepared.call.events(wake_on_tokens=incremental):
                     if isinstance(event, TokensEvent):
-                        if prepared.first_token_at is None and event.token_ids:
-                            prepared.first_token_at = time.perf_counter()
                         logprobs.extend(event.logprobs)
                         if not incremental:
                             detok.add(event.token_ids)
@@ -490,7 +487,7 @@ class TurnService:
             session.add_turn(node)
         if self.metrics is not None:
             now = time.perf_counter()
-            first = prepared.first_token_at
+            first = prepared.call.first_token_at
             self.metrics.observe_turn(
                 api=prepared.request.api,
                 finish_reason=finish,
