@@ -10,7 +10,9 @@ tool call), and its logprobs are made up.
   When the cap did not cut it short, its last token is the model's end-of-sequence token
   and the reply finishes with ``stop``; otherwise with ``length``.
 * Tokens are streamed one per chunk, as a real engine does, either back to back
-  (``tokens_per_second=0``) or paced at that rate.
+  (``tokens_per_second=0``) or paced at that rate in engine steps: steps fall on a clock
+  shared by every request, so all running requests get their next token at the same
+  moment, as a batching GPU engine samples one token for every running sequence per step.
 * The same seed and prompt length give the same reply; without a seed, the request id
   seeds it.
 * The last chunk's ``extra`` carries ``first_token_time``: the wall-clock time (Unix
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -63,6 +66,7 @@ class InstantEngine:
         self.tokens_per_second = tokens_per_second
         self._running: set[str] = set()
         self._aborted: set[str] = set()
+        self._step: asyncio.Event | None = None  # set when the coming step is taken
         self.served = 0
 
     def __repr__(self) -> str:
@@ -134,7 +138,7 @@ class InstantEngine:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
                 if delay:
-                    await asyncio.sleep(delay)
+                    await self._next_step(delay).wait()
                 logprob = -rng.random() * 4.0
                 if produced == 1:
                     first_at = time.time()
@@ -151,6 +155,16 @@ class InstantEngine:
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
+
+    def _next_step(self, interval: float) -> asyncio.Event:
+        """The coming engine step, shared by every request: steps fall on multiples of
+        ``interval`` of the loop's clock, and every request waiting on one wakes in the
+        same turn of the loop (so the worker sends their tokens as one frame)."""
+        if self._step is None or self._step.is_set():
+            loop = asyncio.get_running_loop()
+            self._step = asyncio.Event()
+            loop.call_at((math.floor(loop.time() / interval) + 1) * interval, self._step.set)
+        return self._step
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:

@@ -3,6 +3,7 @@ window checks, aborts and loading from the tiny model's tokenizer files."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -87,18 +88,29 @@ async def test_abort_ends_the_stream() -> None:
     await engine.abort("unknown")  # ignored
 
 
-async def test_pacing_spreads_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tokens_per_second sleeps 1/rate before each token."""
-    slept: list[float] = []
+async def test_paced_requests_started_apart_step_together() -> None:
+    """With tokens_per_second, a request's tokens come one engine step apart, and a
+    request that starts later joins the same steps: both get their tokens together."""
+    engine = _engine(reply_tokens=4, tokens_per_second=20.0)  # a step every 50 ms
+    loop = asyncio.get_running_loop()
+    arrivals: dict[str, list[float]] = {"a": [], "b": []}
 
-    async def fake_sleep(seconds: float) -> None:
-        slept.append(seconds)
+    async def run(rid: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async for _chunk in engine.generate(rid, [1], SamplingParams(max_tokens=8)):
+            arrivals[rid].append(loop.time())
 
-    monkeypatch.setattr("worker_client.backends.instant.asyncio.sleep", fake_sleep)
-    await _collect(
-        _engine(reply_tokens=4, tokens_per_second=100.0), "r", [1], SamplingParams(max_tokens=8)
+    await asyncio.gather(run("a", 0.0), run("b", 0.012))
+    steps_a = [round(t / 0.05) for t in arrivals["a"]]
+    assert len(steps_a) == 4
+    assert steps_a == list(range(steps_a[0], steps_a[0] + 4))
+    # b started 12 ms later but waited for a's steps: its tokens arrive with a's (or,
+    # when it started just after a step was taken, one step later).
+    assert [round(t / 0.05) - s for t, s in zip(arrivals["b"], steps_a, strict=True)] in (
+        [0] * 4,
+        [1] * 4,
     )
-    assert slept == [0.01] * 4
+    assert all(abs(t - round(t / 0.05) * 0.05) < 0.02 for t in arrivals["a"] + arrivals["b"])
 
 
 def test_load_takes_vocab_and_eos_from_the_tiny_model(tiny_model_dir: Path) -> None:
