@@ -52,7 +52,8 @@ class Sizes:
     memory_tokens: int = 32768
     idle_sessions: int = 2000
     profile_seconds: float = 8.0
-    # Streaming at an engine's pace: one token per frame, as a GPU produces them.
+    # Streaming at an engine's pace: a token for every stream per engine step, as a
+    # batching GPU engine produces them.
     stream_concurrencies: tuple[int, ...] = (1, 32)
     stream_turns_at: dict[int, int] = field(default_factory=lambda: {1: 24, 32: 256})
     stream_reply_tokens: int = 64
@@ -201,7 +202,8 @@ async def _proxy_load(proxy: Proc, **load: Any) -> tuple[LoadResult, float]:
 
 
 async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
-    """Streams at an engine's pace (each token its own frame, as a GPU produces them):
+    """Streams at an engine's pace (every stream gets a token per engine step, as a
+    batching GPU engine produces them; the worker sends a step as one frame):
     proxy CPU per streamed token, and how long the first token takes from the worker's
     engine handing it on to the agent reading it."""
     rows: list[dict[str, Any]] = []
@@ -460,23 +462,40 @@ async def section_memory(stack: Stack, sizes: Sizes, tpw: float) -> dict[str, An
     return out
 
 
-async def section_profile(stack: Stack, sizes: Sizes, out_dir: Path) -> dict[str, Any]:
-    """A py-spy profile of the proxy under streaming load (the second concurrency)."""
-    raw = out_dir / "proxy-profile.txt"
+async def section_profile(
+    stack: Stack,
+    sizes: Sizes,
+    out_dir: Path,
+    *,
+    paced: bool = False,
+) -> dict[str, Any]:
+    """A py-spy profile of the proxy's event loop under streaming load: instant replies at
+    the second concurrency, or (``paced``) streams at an engine's pace at the stream
+    section's highest concurrency."""
+    raw = out_dir / ("proxy-profile-paced.txt" if paced else "proxy-profile.txt")
     spy_proc = _start_py_spy(stack.proxy.popen.pid, raw)
     if spy_proc is None:
         return {"error": "py-spy is not installed (pip install py-spy)"}
     await asyncio.sleep(1.0)  # let py-spy attach
-    concurrency = sizes.concurrencies[min(1, len(sizes.concurrencies) - 1)]
+    if paced:
+        concurrency = sizes.stream_concurrencies[-1]
+        load: dict[str, Any] = {
+            "total_turns": sizes.stream_turns_at[concurrency],
+            "max_tokens": sizes.stream_reply_tokens,
+            "model": PACED_MODEL,
+        }
+    else:
+        concurrency = sizes.concurrencies[min(1, len(sizes.concurrencies) - 1)]
+        load = {"total_turns": sizes.turns_at[concurrency]}
     deadline = time.perf_counter() + sizes.profile_seconds
     turns = 0
     while time.perf_counter() < deadline:
         result = await run_load(
             Target("proxy", stack.proxy.url),
             concurrency=concurrency,
-            total_turns=sizes.turns_at[concurrency],
             turns_per_session=sizes.turns_per_session,
             stream=True,
+            **load,
         )
         turns += len(result.calls)
     spy_proc.send_signal(signal.SIGINT)
@@ -491,6 +510,8 @@ async def section_profile(stack: Stack, sizes: Sizes, out_dir: Path) -> dict[str
         "raw": str(raw),
         "turns": turns,
         "concurrency": concurrency,
+        "paced": paced,
+        "tokens_per_turn": sizes.stream_reply_tokens if paced else sizes.reply_tokens,
         "top": summarize_profile(raw),
     }
 
@@ -500,14 +521,18 @@ def _start_py_spy(pid: int, raw: Path) -> subprocess.Popen[bytes] | None:
     if not Path(spy).exists():
         return None
     return subprocess.Popen(
-        [spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(raw)],
+        [spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "--threads", "-o", str(raw)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
 
 
-def summarize_profile(raw: Path, top: int = 25) -> list[tuple[str, float, float]]:
-    """(function, self %, total %) from py-spy's collapsed stacks, heaviest first."""
+def summarize_profile(
+    raw: Path, top: int = 25, thread: str = "MainThread"
+) -> list[tuple[str, float, float]]:
+    """(function, self %, total %) of ``thread``'s samples (the event loop's: the store's
+    writer thread and idle pool threads blocked in C would count as busy), from py-spy's
+    collapsed stacks, heaviest first. Stacks recorded without thread names all count."""
     self_counts: dict[str, int] = {}
     total_counts: dict[str, int] = {}
     samples = 0
@@ -516,9 +541,14 @@ def summarize_profile(raw: Path, top: int = 25) -> list[tuple[str, float, float]
         if not stack_text:
             continue
         count = int(count_text)
+        parts = stack_text.split(";")
+        if parts[0].startswith("thread ("):
+            if not parts[0].endswith(f": {thread}"):
+                continue
+            parts = parts[1:]
         frames = [
             f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f
-            for f in stack_text.split(";")
+            for f in parts
         ]
         samples += count
         self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + count
@@ -685,6 +715,8 @@ async def run(
         if "profile" in sections:
             print("profile", flush=True)
             results["profile"] = await section_profile(stack, sizes, out_dir)
+            if "stream" in sections:
+                results["stream_profile"] = await section_profile(stack, sizes, out_dir, paced=True)
             save(results)
         if "replicas" in sections:
             print("replicas", flush=True)

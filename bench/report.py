@@ -221,9 +221,11 @@ def memory_table(m: dict[str, Any]) -> str:
 def profile_table(p: dict[str, Any]) -> str:
     if "error" in p:
         return f"Profile not taken: {p['error']}"
+    pace = " at an engine's pace" if p.get("paced") else ""
     lines = [
-        f"py-spy, proxy process, {p['turns']} streamed turns at concurrency {p['concurrency']} "
-        f"(raw stacks: `{Path(p['raw']).name}`).",
+        f"py-spy, the proxy's event-loop thread, {p['turns']} streamed turns{pace} of "
+        f"{p.get('tokens_per_turn', '?')} tokens at concurrency {p['concurrency']} "
+        f"(raw stacks of every thread: `{Path(p['raw']).name}`).",
         "",
         "| function (file) | self % | total % |",
         "|---|---:|---:|",
@@ -364,6 +366,13 @@ def render(
         parts += ["## Memory", "", memory_table(results["memory"]), ""]
     if "profile" in results:
         parts += ["## Profile", "", profile_table(results["profile"]), ""]
+    if "stream_profile" in results:
+        parts += [
+            "## Profile of streams at an engine's pace",
+            "",
+            profile_table(results["stream_profile"]),
+            "",
+        ]
     if results.get("replicas"):
         parts += ["## One proxy and two replicas", "", replicas_table(results["replicas"]), ""]
     return "\n".join(parts)

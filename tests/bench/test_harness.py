@@ -164,6 +164,19 @@ def test_profile_summary_ranks_self_time(tmp_path: Path) -> None:
     assert ("handle (b.py)", 30.0, 90.0) in top
 
 
+def test_profile_summary_counts_the_event_loop_thread_only(tmp_path: Path) -> None:
+    """With --threads, a writer thread blocked in C does not dilute the loop's shares."""
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "thread (0x1): MainThread;main (a.py:1);send (s.py:4) 3\n"
+        "thread (0x1): MainThread;main (a.py:1) 1\n"
+        "thread (0x2): Thread-1 (_run);_run (store.py:7) 50\n"
+    )
+    top = summarize_profile(raw)
+    assert top[0] == ("send (s.py)", 75.0, 75.0)
+    assert all("store.py" not in name for name, _, _ in top)
+
+
 def test_the_replicas_section_measures_one_and_two_replicas(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
