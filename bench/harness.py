@@ -718,20 +718,21 @@ async def run(
             if "stream" in sections:
                 results["stream_profile"] = await section_profile(stack, sizes, out_dir, paced=True)
             save(results)
+        if "memory" in sections:
+            # After every section that uses this proxy: it fills the proxy with sessions.
+            print("memory", flush=True)
+            results["memory"] = await section_memory(stack, sizes, tpw)
+            save(results)
+        results["proxy_rss_end_mb"] = proxy.rss_bytes() / 2**20
+        results["load_average_end"] = os.getloadavg()
         if "replicas" in sections:
+            # Last: it stops this proxy and its workers (the replicas get the machine).
             print("replicas", flush=True)
             for stopped in (proxy, worker, paced, upstream):
                 if stopped is not None:
-                    stopped.stop()  # the replicas get the machine to themselves
+                    stopped.stop()
             results["replicas"] = await section_replicas(
                 procs, model_dir, sizes, proxy_args, durable
             )
             save(results)
-            return results
-        if "memory" in sections:
-            # Last: it fills the proxy with sessions.
-            print("memory", flush=True)
-            results["memory"] = await section_memory(stack, sizes, tpw)
-        results["proxy_rss_end_mb"] = proxy.rss_bytes() / 2**20
-        results["load_average_end"] = os.getloadavg()
     return results

@@ -181,7 +181,8 @@ def test_the_replicas_section_measures_one_and_two_replicas(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """One proxy, then two --peers replicas with one worker process joined to both: every
-    turn completes, and each replica reports its CPU per turn."""
+    turn completes, and each replica reports its CPU per turn. Sections asked for with
+    it still run (the replicas stop the first proxy, so they come last)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -190,7 +191,7 @@ def test_the_replicas_section_measures_one_and_two_replicas(
             "--quick",
             "--no-litellm",
             "--sections",
-            "replicas",
+            "memory,replicas",
             "--model",
             str(tiny_model_dir),
             "--json",
@@ -205,7 +206,9 @@ def test_the_replicas_section_measures_one_and_two_replicas(
         text=True,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["replicas"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["memory"]["sessions"] > 0
+    rows = results["replicas"]
     sizes = Sizes.quick()
     assert [(r["replicas"], r["stream"]) for r in rows] == [
         (1, False),
