@@ -69,6 +69,7 @@ def build_app(config: ProxyConfig) -> web.Application:
         models,
         global_max_tokens=config.max_tokens,
         retry_after_seconds=config.retry_after_seconds,
+        stream_interval=config.stream_interval,
     )
     app[SERVICE].limits = Limits(
         max_messages=config.max_messages,

@@ -38,6 +38,14 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--worker-wait-seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=4096, help="global cap per call")
     parser.add_argument("--tool-parser", default=None, help="hermes | qwen3_coder | none")
+    parser.add_argument(
+        "--stream-interval",
+        type=_at_least_one,
+        default=1,
+        metavar="TOKENS",
+        help="tokens per streamed event (1: every engine step; more: fewer, larger events "
+        "for less CPU per token; the first tokens and the end go out at once)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=None)
     limits = ProxyConfig()
     parser.add_argument(
@@ -128,6 +136,16 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
     )
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def _config(
     args: argparse.Namespace, worker_token: str | None, admin_token: str | None = None
 ) -> ProxyConfig:
@@ -148,6 +166,7 @@ def _config(
         max_session_tokens=args.max_session_tokens,
         max_sessions=args.max_sessions,
         tool_parser=args.tool_parser,
+        stream_interval=args.stream_interval,
         max_in_flight=args.max_in_flight,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
         max_queued=args.max_queued,

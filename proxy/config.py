@@ -32,6 +32,10 @@ class ProxyConfig:
     max_session_tokens: int = 16 * 1024 * 1024
     max_sessions: int = 100_000
     tool_parser: str | None = None
+    # Tokens per streamed event at least (the first event goes out at once and the last
+    # takes what is left): 1 streams every engine step; more trades how often an agent
+    # hears from a stream for less proxy CPU per token.
+    stream_interval: int = 1
     heartbeat_seconds: float = 10.0
     retry_after_seconds: int = 5
     # Backpressure (0: no bound of that kind): requests running per worker (caps what the

@@ -152,11 +152,15 @@ class TurnService:
         *,
         global_max_tokens: int,
         retry_after_seconds: int = 5,
+        stream_interval: int = 1,
     ) -> None:
         self.pool = pool
         self.models = models
         self.global_max_tokens = global_max_tokens
         self.retry_after_seconds = retry_after_seconds
+        # A stream's events carry at least this many tokens (its first and last may carry
+        # fewer): 1 writes every engine step to the agent as it is sampled.
+        self.stream_interval = stream_interval
         self.metrics: ProxyMetrics | None = None
         # Where recorded turns are committed (None: in memory only).
         self.store: SessionStore | None = None
@@ -279,7 +283,8 @@ class TurnService:
         finished: FinishedEvent | None = None
         try:
             try:
-                async for event in prepared.call.events(wake_on_tokens=incremental):
+                wake_after = self.stream_interval if incremental else None
+                async for event in prepared.call.events(wake_after=wake_after):
                     if isinstance(event, TokensEvent):
                         logprobs.extend(event.logprobs)
                         if not incremental:

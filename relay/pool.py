@@ -259,13 +259,15 @@ class RelayCall:
         self.received = array("i")
         self.first_token_at: float | None = None  # perf_counter() when tokens first came
         self._slot: asyncio.Future[WorkerHandle] | None = None
-        # Events not yet taken by ``events()``, the consumer's wake-up, and how many of
-        # the waiting events are not tokens (a consumer that only wants the result is
-        # woken by those alone).
+        # Events not yet taken by ``events()`` and the consumer's wake-up; how many token
+        # ids and how many other events are waiting, how many token ids wake the
+        # consumer (None: none do, only the other events), and whether it had any yet.
         self._pending: deque[RelayEvent | RelayError] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._wake_on_tokens = True
+        self._waiting_tokens = 0
         self._decisive = 0
+        self._wake_after: int | None = 1
+        self._had_tokens = False
 
     def __repr__(self) -> str:
         return f"<RelayCall {self.request_id} {self.state.value} worker={self.worker_id}>"
@@ -300,24 +302,32 @@ class RelayCall:
         if isinstance(event, TokensEvent):
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            if not self._wake_on_tokens:
-                return
+            self._waiting_tokens += len(event.token_ids)
         else:
             self._decisive += 1
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and not waiter.done() and self._ready():
             waiter.set_result(None)
 
     def _ready(self) -> bool:
-        return self._decisive > 0 if not self._wake_on_tokens else bool(self._pending)
+        """Whether the consumer has something to take now."""
+        if self._decisive:
+            return True
+        after = self._wake_after
+        if after is None or not self._waiting_tokens:
+            return False
+        return self._waiting_tokens >= after or not self._had_tokens
 
-    async def events(self, *, wake_on_tokens: bool = True) -> AsyncIterator[RelayEvent]:
+    async def events(self, *, wake_after: int | None = 1) -> AsyncIterator[RelayEvent]:
         """Yield events until ``FinishedEvent``; raise the call's error if it failed.
 
-        ``wake_on_tokens=False`` is for a consumer that only wants the whole reply: it
-        is not woken for every engine step, only when something else happens (the end,
-        a restart, an error); it then gets every event in order, tokens included."""
-        self._wake_on_tokens = wake_on_tokens
+        Token events waiting side by side are taken as one (a consumer that fell behind
+        catches up in one step, with one write to its client). ``wake_after`` is how
+        many token ids must be waiting to wake the consumer: 1 for every engine step;
+        more to stream in groups (the first tokens still wake it at once); None for a
+        consumer that only wants the whole reply, woken only when something else
+        happens (the end, a restart, an error). Nothing is dropped or reordered."""
+        self._wake_after = wake_after
         while True:
             if not self._ready():
                 self._waiter = asyncio.get_running_loop().create_future()
@@ -326,7 +336,18 @@ class RelayCall:
                 finally:
                     self._waiter = None
             event = self._pending.popleft()
-            if not isinstance(event, TokensEvent):
+            if isinstance(event, TokensEvent):
+                if self._pending and isinstance(self._pending[0], TokensEvent):
+                    ids, logprobs = list(event.token_ids), list(event.logprobs)
+                    while self._pending and isinstance(self._pending[0], TokensEvent):
+                        more = self._pending.popleft()
+                        assert isinstance(more, TokensEvent)
+                        ids.extend(more.token_ids)
+                        logprobs.extend(more.logprobs)
+                    event = TokensEvent(ids, logprobs)
+                self._waiting_tokens -= len(event.token_ids)
+                self._had_tokens = True
+            else:
                 self._decisive -= 1
             if isinstance(event, RelayError):
                 raise event

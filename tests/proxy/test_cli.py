@@ -114,3 +114,24 @@ def test_tiny_model_for_a_family_and_a_bad_family_folder(
     assert tokenizer.convert_tokens_to_ids("<|tool_call_begin|>") is not None
     assert main(["tiny-model", str(tmp_path / "x"), "--family", str(tmp_path)]) == 2
     assert "no readable family.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "four"])
+def test_a_stream_interval_below_one_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stream-interval takes a whole number of tokens, at least 1, or stops with why."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["proxy", "--stream-interval", value])
+    assert exited.value.code == 2
+    assert "--stream-interval" in capsys.readouterr().err
+
+
+def test_the_stream_interval_reaches_the_config() -> None:
+    args = build_parser().parse_args(
+        ["proxy", "--admin-token", "a", "--worker-token", "w", "--stream-interval", "8"]
+    )
+    config = _secured_config(args)
+    assert config is not None
+    assert config.stream_interval == 8
+    assert build_parser().parse_args(["proxy"]).stream_interval == 1

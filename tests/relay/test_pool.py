@@ -103,9 +103,10 @@ async def test_tokens_and_finish_are_routed_to_the_call() -> None:
         ),
     )
     events = [e async for e in call.events()]
-    assert [type(e) for e in events] == [TokensEvent, TokensEvent, FinishedEvent]
-    assert events[0].token_ids == [7]
-    assert events[1].token_ids == [8]
+    # Both frames were waiting when the consumer came: their tokens are one event.
+    assert [type(e) for e in events] == [TokensEvent, FinishedEvent]
+    assert events[0].token_ids == [7, 8]
+    assert events[0].logprobs == [-1.0, -2.0]
     assert pool.in_flight == 0
     assert handle.in_flight == set()
 
@@ -177,7 +178,7 @@ async def test_a_batch_reaches_every_call_it_names() -> None:
         ]
     )
     await pool.handle_message(handle, _frame(batch, handle))
-    assert [e.token_ids for e in _drain_nowait(first) if isinstance(e, TokensEvent)] == [[7]]
+    assert [list(e.token_ids) for e in _drain_nowait(first) if isinstance(e, TokensEvent)] == [[7]]
     assert not [e for e in _drain_nowait(gone) if isinstance(e, TokensEvent)]
     events = [e async for e in second.events()]
     assert [type(e) for e in events] == [TokensEvent, FinishedEvent]
@@ -186,8 +187,8 @@ async def test_a_batch_reaches_every_call_it_names() -> None:
 
 
 async def test_a_consumer_of_the_whole_reply_is_woken_once_not_per_step() -> None:
-    """``events(wake_on_tokens=False)`` sleeps through the token frames and then gets
-    every event in order; when the tokens first came is still known."""
+    """``events(wake_after=None)`` sleeps through the token frames and then gets every
+    token in one event, in order; when the tokens first came is still known."""
     pool = WorkerPool(wait_seconds=1)
     handle, _link = await _add(pool, "w1")
     call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=4), affinity="t1")
@@ -195,7 +196,7 @@ async def test_a_consumer_of_the_whole_reply_is_woken_once_not_per_step() -> Non
     seen: list[object] = []
 
     async def consume() -> None:
-        async for event in call.events(wake_on_tokens=False):
+        async for event in call.events(wake_after=None):
             seen.append(event)
 
     consumer = asyncio.create_task(consume())
@@ -209,8 +210,46 @@ async def test_a_consumer_of_the_whole_reply_is_woken_once_not_per_step() -> Non
     assert call.first_token_at is not None
     await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
     await asyncio.wait_for(consumer, 5)
-    assert [getattr(e, "token_ids", None) for e in seen] == [[5], [6], None]
+    assert [list(e.token_ids) if isinstance(e, TokensEvent) else None for e in seen] == [
+        [5, 6],
+        None,
+    ]
     assert isinstance(seen[-1], FinishedEvent)
+
+
+async def test_a_stream_in_groups_gets_its_first_token_at_once_then_every_n() -> None:
+    """``events(wake_after=3)``: the first token wakes the consumer, later ones once three
+    are waiting (taken as one event), and the end flushes the rest."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+    seen: list[list[int] | None] = []
+
+    async def consume() -> None:
+        async for event in call.events(wake_after=3):
+            seen.append(list(event.token_ids) if isinstance(event, TokensEvent) else None)
+
+    consumer = asyncio.create_task(consume())
+
+    async def step(token: int) -> None:
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    await asyncio.sleep(0)
+    await step(1)
+    assert seen == [[1]]
+    await step(2)
+    await step(3)
+    assert seen == [[1]]
+    await step(4)
+    assert seen == [[1], [2, 3, 4]]
+    await step(5)
+    await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
+    await asyncio.wait_for(consumer, 5)
+    assert seen == [[1], [2, 3, 4], [5], None]
 
 
 def _drain_nowait(call: RelayCall) -> list[object]:
