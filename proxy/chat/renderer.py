@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from proxy.chat import reasoning
 from proxy.chat.continuation import (
@@ -44,6 +47,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ChatRenderer", "NotPrefixStableError"]
 
 _PROBE_USER: dict[str, Any] = {"role": "user", "content": "probe"}
+# Anchors whose rendering alone is kept (an agent's plain replies all share one).
+_ANCHORS_KEPT = 256
 _PROBE_CALL = {"id": "call_probe", "type": "function", "function": {"name": "probe"}}
 
 
@@ -54,6 +59,8 @@ class ChatRenderer:
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the model's tokenizer has no chat template")
         self.tokenizer = tokenizer
+        # The anchor's rendering alone, per anchor and variables (see ``_alone``).
+        self._anchors: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         # A fast tokenizer's own `tokenizers.Tokenizer`: the same ids as `encode` without
         # the transformers wrapper's per-call work, which dominates on short texts (tests
         # check the ids against the wrapper's).
@@ -229,7 +236,7 @@ class ChatRenderer:
         else:
             anchor["content"] = SENTINEL
         head = [_PROBE_USER, anchor]
-        alone = self._apply(head, add_generation_prompt=False, variables=variables)
+        alone = self._alone(head, variables)
         if SENTINEL not in alone:
             return None
         followed = self._apply(
@@ -238,6 +245,28 @@ class ChatRenderer:
             variables=variables,
         )
         return split_after_anchor(alone, followed, self._specials)
+
+    def _alone(self, head: list[dict[str, Any]], variables: Mapping[str, Any] | None) -> str:
+        """The probe and the anchor rendered alone. It depends on nothing but them, the
+        variables and the template (only what follows the anchor's content is used), so it
+        is rendered once per distinct anchor: every plain reply of an agent has the same
+        one."""
+        try:
+            key = (
+                str(self.tokenizer.chat_template),
+                msgspec.json.encode([head[1], variables], order="sorted"),
+            )
+        except (TypeError, msgspec.EncodeError):
+            return self._apply(head, add_generation_prompt=False, variables=variables)
+        alone = self._anchors.get(key)
+        if alone is None:
+            alone = self._apply(head, add_generation_prompt=False, variables=variables)
+            self._anchors[key] = alone
+            if len(self._anchors) > _ANCHORS_KEPT:
+                self._anchors.popitem(last=False)
+        else:
+            self._anchors.move_to_end(key)
+        return alone
 
     # ------------------------------------------------------------------ decoding
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,34 @@ def test_encode_matches_the_tokenizer(renderer: ChatRenderer, text: str) -> None
     special and added tokens included."""
     assert renderer._backend is not None
     assert renderer.encode(text) == renderer.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_plain_replys_anchor_is_rendered_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Continuations after plain replies share the anchor's rendering alone: one template
+    call per later turn instead of two, and the same ids as a renderer rendering both."""
+    cached = ChatRenderer.from_directory(tiny_model_dir)
+    fresh = ChatRenderer.from_directory(tiny_model_dir)
+    calls: list[int] = []
+    apply = cached._apply
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        calls.append(len(args[0]))
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(cached, "_apply", counted)
+    for turn in range(3):
+        reply = ChatMessage("assistant", f"reply {turn}")
+        sampled = cached.encode(f"reply {turn}")
+        new = [ChatMessage("user", f"next {turn}")]
+        assert cached.render_continuation(reply, sampled, new) == fresh.render_continuation(
+            reply, sampled, new
+        )
+        fresh._anchors.clear()
+    assert calls == [2, 3, 3, 3]  # the anchor alone once, then only the followed render
+    other = {"enable_thinking": False}
+    cached.render_continuation(
+        ChatMessage("assistant", "x"), cached.encode("x"), [ChatMessage("user", "y")], other
+    )
+    assert calls[-2:] == [2, 3]  # other template variables: their own anchor rendering
