@@ -54,10 +54,12 @@ class Sizes:
     profile_seconds: float = 8.0
     # Streaming at an engine's pace: a token for every stream per engine step, as a
     # batching GPU engine produces them.
-    stream_concurrencies: tuple[int, ...] = (1, 32)
-    stream_turns_at: dict[int, int] = field(default_factory=lambda: {1: 24, 32: 256})
+    stream_concurrencies: tuple[int, ...] = (1, 32, 128)
+    stream_turns_at: dict[int, int] = field(default_factory=lambda: {1: 24, 32: 256, 128: 512})
     stream_reply_tokens: int = 64
     stream_tokens_per_second: float = 50.0
+    # A second proxy streaming in groups of this many tokens (--stream-interval; 0: none).
+    stream_grouped_interval: int = 8
     # One proxy against two replicas: agents, turns, and streamed turns of each.
     replica_concurrency: int = 64
     replica_turns: int = 8192
@@ -83,6 +85,7 @@ class Sizes:
             stream_turns_at={1: 3, 4: 8},
             stream_reply_tokens=8,
             stream_tokens_per_second=200.0,
+            stream_grouped_interval=4,
             replica_concurrency=4,
             replica_turns=12,
             replica_stream_turns=8,
@@ -97,6 +100,7 @@ class Stack:
     litellm: Proc | None
     paced: Proc | None = None  # an instant worker pacing its tokens (model PACED_MODEL)
     volatile: Proc | None = None  # a second proxy without durability (its own worker)
+    grouped: Proc | None = None  # a proxy with --stream-interval (the paced worker's too)
 
 
 PACED_MODEL = "bench-paced"
@@ -203,24 +207,35 @@ async def _proxy_load(proxy: Proc, **load: Any) -> tuple[LoadResult, float]:
 
 async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     """Streams at an engine's pace (every stream gets a token per engine step, as a
-    batching GPU engine produces them; the worker sends a step as one frame):
-    proxy CPU per streamed token, and how long the first token takes from the worker's
-    engine handing it on to the agent reading it."""
+    batching GPU engine produces them; the worker sends a step as one frame): proxy CPU
+    per streamed token, and how long the first token takes from the worker's engine
+    handing it on to the agent reading it. Beside them, at the same pace: whole
+    (non-streamed) replies, which cost the turn without the per-token writes, and
+    streams through a proxy started with ``--stream-interval``."""
+    runs: list[tuple[int, bool, int]] = [(c, True, 1) for c in sizes.stream_concurrencies]
+    several = [c for c in sizes.stream_concurrencies if c > 1]
+    runs += [(c, False, 1) for c in several]
+    if stack.grouped is not None:
+        runs += [(c, True, sizes.stream_grouped_interval) for c in several]
     rows: list[dict[str, Any]] = []
-    for concurrency in sizes.stream_concurrencies:
+    for concurrency, stream, interval in runs:
+        proxy = stack.proxy if interval == 1 else stack.grouped
+        assert proxy is not None
         result, cpu = await _proxy_load(
-            stack.proxy,
+            proxy,
             concurrency=concurrency,
             total_turns=sizes.stream_turns_at[concurrency],
             turns_per_session=sizes.turns_per_session,
-            stream=True,
+            stream=stream,
             max_tokens=sizes.stream_reply_tokens,
             model=PACED_MODEL,
         )
         tokens = sum(c.completion_tokens for c in result.calls)
-        lags = await _first_token_lags(stack.proxy.url, result.calls)
+        lags = await _first_token_lags(proxy.url, result.calls) if stream else []
         row: dict[str, Any] = {
             "concurrency": concurrency,
+            "stream": stream,
+            "interval": interval,
             "turns": len(result.calls),
             "errors": result.errors,
             "first_error": result.first_error,
@@ -235,8 +250,9 @@ async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
             "lags": len(lags),
         }
         rows.append(row)
+        mode = f"stream/{interval}" if stream else "whole"
         print(
-            f"  paced c={concurrency:<3d} turns={row['turns']} err={row['errors']} "
+            f"  paced c={concurrency:<3d} {mode:9s} turns={row['turns']} err={row['errors']} "
             f"{row['tokens_per_s']:.0f} tok/s cpu={_fmt(row['cpu_us_per_token'], 0)}us/token "
             f"first-token lag p50={_fmt(row['lag_p50_ms'])}ms",
             flush=True,
@@ -659,10 +675,14 @@ async def run(
         upstream = procs.upstream(model_dir, reply_tokens=sizes.reply_tokens)
         wait_http(proxy, "/healthz")
         worker = procs.instant_worker(proxy, model_dir, reply_tokens=sizes.reply_tokens)
-        paced = None
+        paced = grouped = None
         if "stream" in sections:
+            if sizes.stream_grouped_interval > 1:
+                interval = ["--stream-interval", str(sizes.stream_grouped_interval)]
+                grouped = procs.proxy([*proxy_args, *interval], durable=durable, name="grouped")
+                wait_http(grouped, "/healthz")
             paced = procs.instant_worker(
-                proxy,
+                [proxy] if grouped is None else [proxy, grouped],
                 model_dir,
                 reply_tokens=sizes.stream_reply_tokens,
                 index=1,
@@ -689,7 +709,7 @@ async def run(
                 litellm = None
         elif with_litellm:
             results["litellm_error"] = "LiteLLM side environment missing (make bench-litellm)"
-        stack = Stack(proxy, [worker], upstream, litellm, paced, volatile)
+        stack = Stack(proxy, [worker], upstream, litellm, paced, volatile, grouped)
         results["log_dir"] = str(procs.log_dir)
         if "latency" in sections:
             print("latency / throughput", flush=True)
@@ -698,7 +718,11 @@ async def run(
         if "stream" in sections:
             print("paced streams", flush=True)
             await _wait_for_model(proxy.url, PACED_MODEL)
+            if grouped is not None:
+                await _wait_for_model(grouped.url, PACED_MODEL)
             results["stream"] = await section_stream(stack, sizes)
+            if grouped is not None:
+                grouped.stop()  # what follows is measured without it
             save(results)
         if volatile is not None:
             print("in memory (no durability)", flush=True)
@@ -728,7 +752,7 @@ async def run(
         if "replicas" in sections:
             # Last: it stops this proxy and its workers (the replicas get the machine).
             print("replicas", flush=True)
-            for stopped in (proxy, worker, paced, upstream):
+            for stopped in (proxy, worker, paced, grouped, upstream):
                 if stopped is not None:
                     stopped.stop()
             results["replicas"] = await section_replicas(

@@ -172,15 +172,23 @@ def context_table(rows: list[dict[str, Any]]) -> str:
 
 def stream_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| concurrency | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | **proxy CPU µs per streamed token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | replies | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | **proxy CPU µs per token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if not r.get("stream", True):
+            replies = "whole"
+        elif r.get("interval", 1) > 1:
+            replies = f"streamed, `--stream-interval {r['interval']}`"
+        else:
+            replies = "streamed"
+        lag = (
+            "-" if r["lag_p50_ms"] is None else f"**{_f(r['lag_p50_ms'])} / {_f(r['lag_p99_ms'])}**"
+        )
         lines.append(
-            f"| {r['concurrency']} | {r['engine_tokens_per_s']:.0f} | {r['tokens_per_turn']} | "
-            f"{r['turns']} | {r['errors']} | {r['tokens_per_s']:.0f} | "
-            f"**{_f(r['cpu_us_per_token'], 0)}** | {_f(r['cpu_ms_per_turn'])} | "
-            f"**{_f(r['lag_p50_ms'])} / {_f(r['lag_p99_ms'])}** |"
+            f"| {r['concurrency']} | {replies} | {r['engine_tokens_per_s']:.0f} | "
+            f"{r['tokens_per_turn']} | {r['turns']} | {r['errors']} | {r['tokens_per_s']:.0f} | "
+            f"**{_f(r['cpu_us_per_token'], 0)}** | {_f(r['cpu_ms_per_turn'])} | {lag} |"
         )
     return "\n".join(lines)
 

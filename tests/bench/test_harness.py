@@ -89,19 +89,28 @@ def test_long_context_turns_continue_the_session(results: dict[str, object]) -> 
 
 
 def test_paced_streams_are_measured_per_token(results: dict[str, object]) -> None:
-    """Each paced run streamed every token of every reply, charged the proxy's CPU to them
-    and timed each first token from the engine to the agent."""
+    """Each paced run carried every token of every reply and charged the proxy's CPU to
+    them; streamed runs (every token, and in groups through the --stream-interval proxy)
+    timed each first token from the engine to the agent, beside whole replies."""
     sizes = Sizes.quick()
     rows = results["stream"]
     assert isinstance(rows, list)
-    assert [r["concurrency"] for r in rows] == list(sizes.stream_concurrencies)
+    several = [c for c in sizes.stream_concurrencies if c > 1]
+    grouped = sizes.stream_grouped_interval
+    assert [(r["concurrency"], r["stream"], r["interval"]) for r in rows] == [
+        *((c, True, 1) for c in sizes.stream_concurrencies),
+        *((c, False, 1) for c in several),
+        *((c, True, grouped) for c in several),
+    ]
     for row in rows:
         assert row["errors"] == 0, row["first_error"]
         assert row["turns"] == sizes.stream_turns_at[row["concurrency"]]
         assert row["tokens"] == row["turns"] * sizes.stream_reply_tokens
         assert row["cpu_us_per_token"] > 0
-        assert row["lags"] == row["turns"]  # every turn's first token was matched
-        assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"]
+        if row["stream"]:
+            assert row["lags"] == row["turns"]  # every turn's first token was matched
+            assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"]
+    assert "`--stream-interval 4`" in str(results["_markdown"])
 
 
 def test_in_memory_runs_repeat_the_non_streamed_ones(results: dict[str, object]) -> None:
