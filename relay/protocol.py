@@ -4,9 +4,9 @@ Workers dial out to the proxy (GPU nodes accept no inbound traffic) and keep one
 open. Every WebSocket binary message carries exactly one protocol message, encoded with
 MessagePack (``msgspec``); a ``Batch`` is one message that carries the request frames a
 worker had ready together (one engine step's tokens for every running request), so a
-step costs the proxy one frame to receive, not one per request. Token ids travel as packed little-endian ``int32`` arrays and
-logprobs as packed little-endian ``float32`` arrays: a 4k-token completion is 32 KiB on the
-wire instead of a JSON list of floats.
+step costs the proxy one frame to receive, not one per request. Token ids travel as
+packed little-endian ``int32`` arrays and logprobs as packed little-endian ``float32``
+arrays: a 4k-token completion is 32 KiB on the wire instead of a JSON list of floats.
 
 Conversation::
 
