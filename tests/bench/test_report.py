@@ -104,7 +104,14 @@ def test_a_slow_first_token_misses_and_streams_get_their_table() -> None:
     )
     text = render(RESULTS, {}, "python -m bench")
     assert "## Streams at an engine's pace" in text
-    assert "| 1 | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | **0.80 / 2.50** |" in text
+    assert "| 1 | streamed | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | **0.80 / 2.50** |" in text
+    # Whole replies at the same pace have no first token; grouped streams say how.
+    base = RESULTS["stream"][0]
+    whole = base | {"stream": False, "interval": 1, "lag_p50_ms": None, "lag_p99_ms": None}
+    grouped = base | {"stream": True, "interval": 8}
+    text = render(RESULTS | {"stream": [whole, grouped]}, {}, "python -m bench")
+    assert "| 1 | whole | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | - |" in text
+    assert "| 1 | streamed, `--stream-interval 8` | 50 |" in text
 
 
 def test_idle_sessions_get_a_verdict_only_when_rss_grew_measurably() -> None:
