@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from proxy.appkeys import MODELS
 from proxy.config import ProxyConfig
 from proxy.deploy.command import add_deploy_parser, run_deploy
 from proxy.exceptions import ConfigurationError, StorageError
@@ -393,6 +394,11 @@ def _run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
         runner.run(main)
 
 
+def _freeze_alive() -> None:
+    gc.collect()
+    gc.freeze()
+
+
 async def _run_proxy(config: ProxyConfig) -> None:
     from proxy.embedded import start_proxy
 
@@ -400,9 +406,11 @@ async def _run_proxy(config: ProxyConfig) -> None:
     # Everything alive now (modules, the app, the sessions restored from the store) lives
     # as long as the process or is freed by reference counting: frozen, it is no longer
     # rescanned by every full garbage collection, whose pause grows with what it scans.
-    # Only here, in a process of our own: an embedded proxy leaves its host's collector be.
-    gc.collect()
-    gc.freeze()
+    # So is each tokenizer a worker brings, with the modules its loading imported (a
+    # full collection took ~100 ms over them). Only here, in a process of our own: an
+    # embedded proxy leaves its host's collector be.
+    _freeze_alive()
+    running.app[MODELS].on_added = _freeze_alive
     print(f"rollout-relay proxy listening on {running.url}", flush=True)
     print(f"  workers connect to {running.worker_url}", flush=True)
     terminate = asyncio.Event()

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,40 +49,52 @@ class ModelRegistry:
         self.tool_parser = tool_parser
         self.models: dict[str, ServedModel] = {}
         self._lock = asyncio.Lock()
+        # Called once a worker's models were added: the proxy's own process freezes what is
+        # alive then (a tokenizer, and the modules its loading imported, live as long as
+        # the process; unfrozen, every full garbage collection would scan them).
+        self.on_added: Callable[[], None] | None = None
 
     async def admit(self, hello: protocol.Hello) -> None:
         """Admission hook for the worker socket: load every announced model's renderer."""
         async with self._lock:
-            for info in hello.models:
-                digest = tokenizer_digest(info.tokenizer_files)
-                known = self.models.get(info.name)
-                if known is not None:
-                    if known.digest != digest:
-                        raise AdmissionRefused(
-                            f"model {info.name!r} is already served with other tokenizer files"
-                        )
-                    continue
-                try:
-                    renderer, checked = await asyncio.to_thread(
-                        self._load, digest, info.tokenizer_files
-                    )
-                except ProxyError as exc:
-                    raise AdmissionRefused(f"model {info.name!r}: {exc.message}") from None
-                except (OSError, ValueError) as exc:
+            before = len(self.models)
+            try:
+                await self._admit(hello)
+            finally:
+                if len(self.models) > before and self.on_added is not None:
+                    self.on_added()
+
+    async def _admit(self, hello: protocol.Hello) -> None:
+        for info in hello.models:
+            digest = tokenizer_digest(info.tokenizer_files)
+            known = self.models.get(info.name)
+            if known is not None:
+                if known.digest != digest:
                     raise AdmissionRefused(
-                        f"model {info.name!r}: cannot load tokenizer: {exc}"
-                    ) from None
-                self.models[info.name] = ServedModel(
-                    info.name, digest, info.max_model_len, renderer, tuple(checked)
+                        f"model {info.name!r} is already served with other tokenizer files"
+                    )
+                continue
+            try:
+                renderer, checked = await asyncio.to_thread(
+                    self._load, digest, info.tokenizer_files
                 )
-                broken = any(r.result != "continued" for r in checked)
-                log.log(
-                    logging.WARNING if broken else logging.INFO,
-                    "model %s (tool calls: %s): template check: %s",
-                    info.name,
-                    renderer.parser.name,
-                    summary_line(checked),
-                )
+            except ProxyError as exc:
+                raise AdmissionRefused(f"model {info.name!r}: {exc.message}") from None
+            except (OSError, ValueError) as exc:
+                raise AdmissionRefused(
+                    f"model {info.name!r}: cannot load tokenizer: {exc}"
+                ) from None
+            self.models[info.name] = ServedModel(
+                info.name, digest, info.max_model_len, renderer, tuple(checked)
+            )
+            broken = any(r.result != "continued" for r in checked)
+            log.log(
+                logging.WARNING if broken else logging.INFO,
+                "model %s (tool calls: %s): template check: %s",
+                info.name,
+                renderer.parser.name,
+                summary_line(checked),
+            )
 
     def _load(self, digest: str, files: dict[str, bytes]) -> tuple[ChatRenderer, list[ShapeResult]]:
         target = self.cache_dir / "tokenizers" / digest
