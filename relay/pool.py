@@ -298,12 +298,19 @@ class RelayCall:
         return protocol.Generate(self.request_id, self.model, prompt, sampling)
 
     def _push(self, event: RelayEvent | RelayError) -> None:
-        self._pending.append(event)
         if isinstance(event, TokensEvent):
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self._waiting_tokens += len(event.token_ids)
+            last = self._pending[-1] if self._pending else None
+            if isinstance(last, TokensEvent):
+                # Not taken yet: the waiting event grows (no object per engine step).
+                last.token_ids.extend(event.token_ids)
+                last.logprobs.extend(event.logprobs)
+            else:
+                self._pending.append(event)
         else:
+            self._pending.append(event)
             self._decisive += 1
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._ready():
@@ -321,8 +328,8 @@ class RelayCall:
     async def events(self, *, wake_after: int | None = 1) -> AsyncIterator[RelayEvent]:
         """Yield events until ``FinishedEvent``; raise the call's error if it failed.
 
-        Token events waiting side by side are taken as one (a consumer that fell behind
-        catches up in one step, with one write to its client). ``wake_after`` is how
+        Tokens that arrive while earlier ones wait are taken with them as one event (a
+        consumer that fell behind catches up in one step, with one write to its client). ``wake_after`` is how
         many token ids must be waiting to wake the consumer: 1 for every engine step;
         more to stream in groups (the first tokens still wake it at once); None for a
         consumer that only wants the whole reply, woken only when something else
@@ -337,14 +344,6 @@ class RelayCall:
                     self._waiter = None
             event = self._pending.popleft()
             if isinstance(event, TokensEvent):
-                if self._pending and isinstance(self._pending[0], TokensEvent):
-                    ids, logprobs = list(event.token_ids), list(event.logprobs)
-                    while self._pending and isinstance(self._pending[0], TokensEvent):
-                        more = self._pending.popleft()
-                        assert isinstance(more, TokensEvent)
-                        ids.extend(more.token_ids)
-                        logprobs.extend(more.logprobs)
-                    event = TokensEvent(ids, logprobs)
                 self._waiting_tokens -= len(event.token_ids)
                 self._had_tokens = True
             else:
