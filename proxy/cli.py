@@ -476,6 +476,8 @@ async def _run_worker(args: argparse.Namespace) -> None:
         ),
         resolve_seconds=args.resolve_seconds,
     )
+    # The engine and what loading it imported live as long as the process (see the proxy).
+    _freeze_alive()
     await fleet.run()
 
 

@@ -329,11 +329,12 @@ class RelayCall:
         """Yield events until ``FinishedEvent``; raise the call's error if it failed.
 
         Tokens that arrive while earlier ones wait are taken with them as one event (a
-        consumer that fell behind catches up in one step, with one write to its client). ``wake_after`` is how
-        many token ids must be waiting to wake the consumer: 1 for every engine step;
-        more to stream in groups (the first tokens still wake it at once); None for a
-        consumer that only wants the whole reply, woken only when something else
-        happens (the end, a restart, an error). Nothing is dropped or reordered."""
+        consumer that fell behind catches up in one step, with one write to its client).
+        ``wake_after`` is how many token ids must be waiting to wake the consumer: 1 for
+        every engine step; more to stream in groups (the first tokens still wake it at
+        once); None for a consumer that only wants the whole reply, woken only when
+        something else happens (the end, a restart, an error). Nothing is dropped or
+        reordered."""
         self._wake_after = wake_after
         while True:
             if not self._ready():
