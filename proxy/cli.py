@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.appkeys import MODELS
 from proxy.config import ProxyConfig
-from proxy.deploy.command import add_deploy_parser, run_deploy
+from proxy.deploy.command import add_deploy_parser, at_least_one_arg, run_deploy
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
@@ -41,7 +41,7 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--tool-parser", default=None, help="hermes | qwen3_coder | none")
     parser.add_argument(
         "--stream-interval",
-        type=_at_least_one,
+        type=at_least_one_arg("token"),
         default=1,
         metavar="TOKENS",
         help="tokens per streamed event (1: every engine step; more: fewer, larger events "
@@ -135,16 +135,6 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=limits.max_sessions,
         help="sessions held at once (registered and not deleted; 0: no limit)",
     )
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
 
 
 def _config(

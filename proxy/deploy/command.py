@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from proxy.deploy.render import DeployOptions, Manifest
 
-__all__ = ["add_deploy_parser", "run_deploy"]
+__all__ = ["add_deploy_parser", "at_least_one_arg", "count_arg", "run_deploy"]
 
 _ACTIONS = {
     "render": "print the manifests as YAML (e.g. for `kubectl apply -f -`)",
@@ -36,7 +37,8 @@ def _quantity(text: str) -> str:
     return text
 
 
-def _count(text: str) -> int:
+def count_arg(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
     try:
         value = int(text)
     except ValueError:
@@ -46,11 +48,16 @@ def _count(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: at least one replica")
-    return value
+def at_least_one_arg(what: str) -> Callable[[str], int]:
+    """An argparse type: a count of ``what`` that must be 1 or more."""
+
+    def parse(text: str) -> int:
+        value = count_arg(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least one {what}")
+        return value
+
+    return parse
 
 
 def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,10 +80,10 @@ def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         a.add_argument("--namespace", default=None, help="instead of the overlay's namespace")
         a.add_argument("--image", default=None, help="the proxy's image")
         a.add_argument("--worker-image", default=None, help="the workers' image")
-        a.add_argument("--workers", type=_count, default=None, help="worker replicas")
+        a.add_argument("--workers", type=count_arg, default=None, help="worker replicas")
         a.add_argument(
             "--replicas",
-            type=_positive,
+            type=at_least_one_arg("replica"),
             default=None,
             help="proxy replicas (each owns a share of the trials, with its own store)",
         )
@@ -85,7 +92,7 @@ def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         a.add_argument("--proxy-memory", type=_quantity, default=None, help="e.g. 8Gi")
         a.add_argument("--storage", type=_quantity, default=None, help="store volume size")
         a.add_argument(
-            "--worker-gpus", type=_count, default=None, help="GPUs per worker (0: CPU workers)"
+            "--worker-gpus", type=count_arg, default=None, help="GPUs per worker (0: CPU workers)"
         )
         if action == "render":
             continue
