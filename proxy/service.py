@@ -14,7 +14,7 @@ import time
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.harmony import HarmonySplitter
@@ -130,6 +130,17 @@ class TurnDone:
 TurnEvent = TextDelta | ReasoningDelta | ToolCallReady | TurnDone
 
 
+class EventSink(Protocol):
+    """A stream's writer, as the relay sees it: events written without waiting."""
+
+    def writable_now(self) -> bool:
+        """Whether ``write_now`` can write at once (else the events wait for the
+        writer's own loop)."""
+
+    def write_now(self, events: Sequence[TurnEvent]) -> None:
+        """Write these events (never ``TurnDone``) to the client, without waiting."""
+
+
 @dataclass(slots=True)
 class PreparedTurn:
     """A turn that passed validation and was dispatched to a worker."""
@@ -142,6 +153,8 @@ class PreparedTurn:
     call: RelayCall
     started: float
     received_at: float = 0.0  # when the turn's request reached the service
+    # The response writer, when a single stream writes this turn's events (see stream()).
+    sink: EventSink | None = None
 
 
 class TurnService:
@@ -268,51 +281,54 @@ class TurnService:
         instead of token by token, with the same outcome. Stop strings still need the
         text as it grows, so with them decoding stays incremental.
 
+        Where the consumer set ``prepared.sink``, an engine step's tokens are decoded and
+        written by the relay as they arrive (when the sink can write at once); the
+        events that come out of this generator are then the rest (the end, and whatever
+        the sink declined), in order with what the sink wrote.
+
         If the consumer goes away (the agent disconnected), the generation is cancelled on
         the worker and what was sampled so far is recorded as a truncated turn."""
-        renderer = prepared.served.renderer
         request = prepared.request
         incremental = incremental or bool(request.stop)
-        detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
-        parser = self._parser(prepared)
-        splitter = self._splitter(prepared)
-        stopper = StopMatcher(request.stop)
-        logprobs: list[float] = []
-        calls: list[ToolCall] = []
-        shown = False
+        decoding = _Decoding(prepared)
+
+        def deliver(tokens: TokensEvent) -> bool:
+            sink = prepared.sink
+            if sink is None or not sink.writable_now():
+                return False
+            events = decoding.feed(tokens)
+            if events:
+                sink.write_now(events)
+            return True
+
+        if incremental and not request.stop:
+            # A stop string needs the worker cancelled when it matches: not in the relay.
+            prepared.call.deliver_to(deliver)
         finished: FinishedEvent | None = None
         try:
             try:
                 wake_after = self.stream_interval if incremental else None
                 async for event in prepared.call.events(wake_after=wake_after):
                     if isinstance(event, TokensEvent):
-                        logprobs.extend(event.logprobs)
                         if not incremental:
-                            detok.add(event.token_ids)
+                            decoding.add(event)
                             continue
-                        text = stopper.feed(detok.push(event.token_ids))
-                        pieces = splitter.feed(text) if text else []
-                        for out in self._parsed(parser, pieces, calls):
-                            shown = True
+                        for out in decoding.feed(event):
                             yield out
-                        if stopper.hit is not None:
+                        if decoding.stopper.hit is not None:
                             await prepared.call.cancel()
                             finished = FinishedEvent(
                                 "stop_sequence", prepared.call.worker_id or WorkerId(""), {}
                             )
                             break
                     elif isinstance(event, RestartedEvent):
-                        if shown:
+                        if decoding.shown:
                             await prepared.call.cancel()
                             raise UpstreamError(
                                 "the worker was lost after the reply had started streaming",
                                 code="worker_lost",
                             )
-                        detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
-                        parser = self._parser(prepared)
-                        splitter = self._splitter(prepared)
-                        stopper = StopMatcher(request.stop)
-                        logprobs.clear()
+                        decoding = _Decoding(prepared)
                     elif isinstance(event, ResumedEvent):
                         # Another worker continues after the tokens already received:
                         # nothing to discard, the stream goes on.
@@ -327,37 +343,39 @@ class TurnService:
                 raise self._unavailable(exc) from None
             except RelayError as exc:
                 raise ProxyError(f"relay error: {exc}") from None
+            finally:
+                prepared.call.deliver_to(None)
         except ProxyError:
-            if detok.ids:
+            if decoding.detok.ids:
                 # The worker failed mid-turn: what it sampled is kept as a truncated turn.
-                cut = self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+                cut = self._record(
+                    prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+                )
                 self._commit_later(prepared.session, cut.node)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             await prepared.call.cancel()
-            cut = self._record(prepared, detok.ids, logprobs, None, None, truncated=True)
+            cut = self._record(
+                prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+            )
             # Nobody waits for this reply; the write is queued and committed regardless.
             self._commit_later(prepared.session, cut.node)
             raise
         if finished is None:
             raise UpstreamError("the worker stream ended without finishing")
-        tail = "" if stopper.hit is not None else stopper.feed(detok.flush()) + stopper.flush()
-        pieces = (splitter.feed(tail) if tail else []) + splitter.finish()
         # The generation is over: record it whole before the last events go out, so an
         # agent that leaves while they are written loses nothing that was sampled.
-        last = list(self._parsed(parser, pieces, calls))
-        events, parsed = parser.finish()
-        last.extend(self._parsed_events(events, calls))
+        last, parsed = decoding.finish()
         result = self._record(
             prepared,
-            detok.ids,
-            logprobs,
+            decoding.detok.ids,
+            decoding.logprobs,
             finished,
             parsed,
             truncated=False,
-            streamed=calls,
-            stop_sequence=stopper.hit,
-            reasoning="".join(splitter.reasoning),
+            streamed=decoding.calls,
+            stop_sequence=decoding.stopper.hit,
+            reasoning="".join(decoding.splitter.reasoning),
         )
         # Durable before the agent is answered: TurnDone is what writes the reply's end
         # (the whole body, or the stream's final events).
@@ -374,50 +392,6 @@ class TurnService:
         if self.store is not None and _recorded(session, node):
             self.store.save_turn(session, node).add_done_callback(_log_failed_write)
 
-    @staticmethod
-    def _parser(prepared: PreparedTurn) -> ToolCallStream:
-        parser = prepared.served.renderer.parser
-        if prepared.request.tool_choice == "none" or not prepared.request.tools:
-            # Without tools there is nothing to call; with tool_choice "none" the tools
-            # stay rendered but calls are not parsed.
-            parser = get_parser("none")
-        return parser.stream(_tool_schemas(prepared.request.tools))
-
-    @staticmethod
-    def _splitter(prepared: PreparedTurn) -> Splitter:
-        """Reasoning is separated on the chat APIs of a template that has it (a raw prompt
-        gets its text as sampled)."""
-        renderer = prepared.served.renderer
-        if prepared.request.prompt_ids is not None:
-            return ReasoningSplitter(enabled=False)
-        if renderer.harmony:
-            return HarmonySplitter()
-        if not renderer.reasons:
-            return ReasoningSplitter(enabled=False)
-        return ReasoningSplitter(in_reasoning=renderer.opens_reasoning(prepared.plan.prompt_ids))
-
-    @classmethod
-    def _parsed(
-        cls, parser: ToolCallStream, pieces: list[Piece], calls: list[ToolCall]
-    ) -> Iterator[TurnEvent]:
-        """Reasoning pieces as they are; answer pieces through the tool-call parser."""
-        for piece in pieces:
-            if isinstance(piece, ReasoningPiece):
-                yield ReasoningDelta(piece.text)
-            else:
-                yield from cls._parsed_events(parser.feed(piece.text), calls)
-
-    @staticmethod
-    def _parsed_events(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
-        for event in events:
-            if isinstance(event, ContentDelta):
-                if event.text:
-                    yield TextDelta(event.text)
-            else:
-                call = ToolCall(_call_id(event.call, calls), event.call.name, event.call.arguments)
-                calls.append(call)
-                yield ToolCallReady(event.index, call)
-
     def _record(
         self,
         prepared: PreparedTurn,
@@ -433,7 +407,7 @@ class TurnService:
     ) -> TurnResult:
         session, plan, renderer = prepared.session, prepared.plan, prepared.served.renderer
         if parsed is None:
-            reasoning, answer = split_whole(self._splitter(prepared), renderer.completion_text(ids))
+            reasoning, answer = split_whole(_splitter(prepared), renderer.completion_text(ids))
             parsed = renderer.parse(answer, prepared.request.tools)
         # Tool calls keep the ids a streaming client already saw; malformed output has none.
         made: list[ToolCall] = []
@@ -518,6 +492,95 @@ class TurnService:
             stop_sequence=stop_sequence,
             reasoning=reasoning or "",
         )
+
+
+class _Decoding:
+    """What one attempt of a turn made of its sampled tokens: the text decoded so far,
+    stop strings, reasoning split from the answer, tool calls parsed while streaming.
+    The same steps whether the relay delivers a step's tokens or the stream's consumer
+    takes them."""
+
+    __slots__ = ("calls", "detok", "logprobs", "parser", "shown", "splitter", "stopper")
+
+    def __init__(self, prepared: PreparedTurn) -> None:
+        renderer = prepared.served.renderer
+        self.detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+        self.parser = _parser(prepared)
+        self.splitter = _splitter(prepared)
+        self.stopper = StopMatcher(prepared.request.stop)
+        self.logprobs: list[float] = []
+        self.calls: list[ToolCall] = []
+        self.shown = False  # an event went out: the reply can no longer restart
+
+    def add(self, tokens: TokensEvent) -> None:
+        """Keep tokens to decode at the end (a consumer of the whole reply)."""
+        self.logprobs.extend(tokens.logprobs)
+        self.detok.add(tokens.token_ids)
+
+    def feed(self, tokens: TokensEvent) -> list[TurnEvent]:
+        """The events a step's tokens make (none while text is held back)."""
+        self.logprobs.extend(tokens.logprobs)
+        text = self.stopper.feed(self.detok.push(tokens.token_ids))
+        if not text:
+            return []
+        events = list(_parsed(self.parser, self.splitter.feed(text), self.calls))
+        if events:
+            self.shown = True
+        return events
+
+    def finish(self) -> tuple[list[TurnEvent], ParsedOutput]:
+        """The events of what was held back, and the reply's parsed tool calls."""
+        stopper = self.stopper
+        tail = "" if stopper.hit is not None else stopper.feed(self.detok.flush()) + stopper.flush()
+        pieces = (self.splitter.feed(tail) if tail else []) + self.splitter.finish()
+        last = list(_parsed(self.parser, pieces, self.calls))
+        events, parsed = self.parser.finish()
+        last.extend(_parsed_events(events, self.calls))
+        return last, parsed
+
+
+def _parser(prepared: PreparedTurn) -> ToolCallStream:
+    parser = prepared.served.renderer.parser
+    if prepared.request.tool_choice == "none" or not prepared.request.tools:
+        # Without tools there is nothing to call; with tool_choice "none" the tools
+        # stay rendered but calls are not parsed.
+        parser = get_parser("none")
+    return parser.stream(_tool_schemas(prepared.request.tools))
+
+
+def _splitter(prepared: PreparedTurn) -> Splitter:
+    """Reasoning is separated on the chat APIs of a template that has it (a raw prompt
+    gets its text as sampled)."""
+    renderer = prepared.served.renderer
+    if prepared.request.prompt_ids is not None:
+        return ReasoningSplitter(enabled=False)
+    if renderer.harmony:
+        return HarmonySplitter()
+    if not renderer.reasons:
+        return ReasoningSplitter(enabled=False)
+    return ReasoningSplitter(in_reasoning=renderer.opens_reasoning(prepared.plan.prompt_ids))
+
+
+def _parsed(
+    parser: ToolCallStream, pieces: list[Piece], calls: list[ToolCall]
+) -> Iterator[TurnEvent]:
+    """Reasoning pieces as they are; answer pieces through the tool-call parser."""
+    for piece in pieces:
+        if isinstance(piece, ReasoningPiece):
+            yield ReasoningDelta(piece.text)
+        else:
+            yield from _parsed_events(parser.feed(piece.text), calls)
+
+
+def _parsed_events(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator[TurnEvent]:
+    for event in events:
+        if isinstance(event, ContentDelta):
+            if event.text:
+                yield TextDelta(event.text)
+        else:
+            call = ToolCall(_call_id(event.call, calls), event.call.name, event.call.arguments)
+            calls.append(call)
+            yield ToolCallReady(event.index, call)
 
 
 def _recorded(session: Session, node: TurnNode) -> bool:

@@ -268,6 +268,9 @@ class RelayCall:
         self._decisive = 0
         self._wake_after: int | None = 1
         self._had_tokens = False
+        # Takes a step's tokens where they arrive instead of waking the consumer (see
+        # ``deliver_to``).
+        self._sink: Callable[[TokensEvent], bool] | None = None
 
     def __repr__(self) -> str:
         return f"<RelayCall {self.request_id} {self.state.value} worker={self.worker_id}>"
@@ -314,7 +317,41 @@ class RelayCall:
             self._decisive += 1
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._ready():
+            if self._sink is not None and not self._decisive and len(self._pending) == 1:
+                tokens = self._pending[0]
+                assert isinstance(tokens, TokensEvent)
+                if self._take(self._sink, tokens):
+                    return
             waiter.set_result(None)
+
+    def _take(self, sink: Callable[[TokensEvent], bool], tokens: TokensEvent) -> bool:
+        """Hand the waiting tokens to the sink; False if it declined them (they wait for
+        the consumer). A sink that fails fails the call, not the worker's connection."""
+        try:
+            taken = sink(tokens)
+        except Exception as exc:
+            log.exception("request %s: delivering tokens failed", self.request_id)
+            # The sink may have used part of them: the consumer gets the error alone.
+            self._sink = None
+            self._pending.clear()
+            self._waiting_tokens = 0
+            self._pending.append(RelayError(f"delivering tokens failed: {exc!r}"))
+            self._decisive += 1
+            return False
+        if taken:
+            self._pending.clear()
+            self._waiting_tokens = 0
+            self._had_tokens = True
+        return taken
+
+    def deliver_to(self, sink: Callable[[TokensEvent], bool] | None) -> None:
+        """Tokens that would wake a consumer parked in ``events()`` (nothing else
+        waiting before them) go to ``sink`` at once instead, in the relay's reader: a
+        stream writes its client's event without a task switch per engine step. The
+        sink returns False to decline (the consumer is woken with them as usual); it
+        must do what the consumer would have done with them, synchronously. None
+        removes it."""
+        self._sink = sink
 
     def _ready(self) -> bool:
         """Whether the consumer has something to take now."""

@@ -658,6 +658,8 @@ async def test_error_after_the_stream_started_is_an_error_event(
     real_stream = TurnService.stream
 
     async def failing(prepared: Any) -> AsyncGenerator[TurnEvent, None]:
+        # Every delta through this generator (the relay would write them past it).
+        prepared.sink = None
         events = real_stream(service, prepared)
         try:
             async for event in events:

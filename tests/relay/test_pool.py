@@ -13,6 +13,7 @@ from relay import protocol
 from relay.exceptions import (
     NoWorkerAvailableError,
     PoolOverloadedError,
+    RelayError,
     RequestCancelledError,
     WorkerFailedError,
 )
@@ -254,6 +255,109 @@ async def test_a_stream_in_groups_gets_its_first_token_at_once_then_every_n() ->
     await asyncio.wait_for(consumer, 5)
     # Events already taken never change: later tokens came as new events.
     assert seen() == [[1], [2, 3, 4], [5], None]
+
+
+async def test_a_sink_takes_a_steps_tokens_where_they_arrive() -> None:
+    """With a sink, the tokens that would wake a parked consumer go to the sink in the
+    relay's reader (the consumer sleeps on); declined ones wake the consumer as usual, and
+    the end still reaches the consumer, after every token the sink took."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+    order: list[tuple[str, list[int] | None]] = []
+    accept = True
+
+    def sink(tokens: TokensEvent) -> bool:
+        if accept:
+            order.append(("sink", list(tokens.token_ids)))
+        return accept
+
+    async def consume() -> None:
+        async for event in call.events():
+            ids = list(event.token_ids) if isinstance(event, TokensEvent) else None
+            order.append(("consumer", ids))
+
+    async def step(token: int) -> None:
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+
+    call.deliver_to(sink)
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    await step(1)
+    assert order == [("sink", [1])]  # at once, no task switch needed
+    await step(2)
+    accept = False
+    await step(3)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    accept = True
+    await step(4)
+    await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
+    await asyncio.wait_for(consumer, 5)
+    assert order == [
+        ("sink", [1]),
+        ("sink", [2]),
+        ("consumer", [3]),  # declined: the consumer took them
+        ("sink", [4]),
+        ("consumer", None),
+    ]
+
+
+async def test_a_sink_is_not_used_while_the_consumer_is_busy_or_tokens_wait() -> None:
+    """Tokens reach the sink only when nothing is queued before them and the consumer is
+    parked: a consumer still busy with earlier events gets the later ones itself, in
+    order."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+    sunk: list[list[int]] = []
+    call.deliver_to(lambda tokens: bool(sunk.append(list(tokens.token_ids))) or True)
+    for token in (1, 2):  # nobody parked in events() yet
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+    await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
+    events = [e async for e in call.events()]
+    assert sunk == []
+    assert [list(e.token_ids) if isinstance(e, TokensEvent) else None for e in events] == [
+        [1, 2],
+        None,
+    ]
+
+
+async def test_a_failing_sink_fails_its_call_not_the_connection() -> None:
+    pool = WorkerPool(wait_seconds=1)
+    handle, link = await _add(pool, "w1")
+    sampling = protocol.Sampling(max_tokens=8)
+    broken = await pool.start("tiny", [1], sampling, affinity="t1")
+    other = await pool.start("tiny", [2], sampling, affinity="t2")
+
+    def sink(tokens: TokensEvent) -> bool:
+        raise ValueError("encoder bug")
+
+    broken.deliver_to(sink)
+
+    async def consume(call: RelayCall) -> list[object]:
+        return [event async for event in call.events()]
+
+    failing = asyncio.create_task(consume(broken))
+    fine = asyncio.create_task(consume(other))
+    await asyncio.sleep(0)
+    batch = protocol.Batch(
+        [
+            protocol.Delta(broken.request_id, protocol.pack_ids([5]), protocol.pack_logprobs([-1])),
+            protocol.Done(
+                other.request_id, "stop", protocol.pack_ids([6]), protocol.pack_logprobs([-1])
+            ),
+        ]
+    )
+    await pool.handle_message(handle, _frame(batch, handle))
+    with pytest.raises(RelayError, match="delivering tokens failed"):
+        await asyncio.wait_for(failing, 5)
+    assert [type(e) for e in await asyncio.wait_for(fine, 5)] == [TokensEvent, FinishedEvent]
+    assert not link.closed
 
 
 def _drain_nowait(call: RelayCall) -> list[object]:

@@ -33,6 +33,7 @@ from proxy.service import (
     ReasoningDelta,
     TextDelta,
     ToolCallReady,
+    TurnDone,
     TurnEvent,
     TurnRequest,
     TurnResult,
@@ -133,7 +134,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 
 class _BlockWriter:
-    """Content-block events of one streamed message, numbering the blocks."""
+    """Content-block events of one streamed message, numbering the blocks, queued on its
+    event stream. It is the turn's sink: the relay writes a step's deltas through it as
+    the step arrives."""
 
     def __init__(self, stream: EventStream, session: Session) -> None:
         self.stream = stream
@@ -142,13 +145,13 @@ class _BlockWriter:
         self.text_open = False
         self.thinking: list[str] | None = None  # the open thinking block's text so far
 
-    async def send(self, payload: dict[str, Any]) -> None:
-        await self.stream.send(payload, event=str(payload["type"]))
+    def send(self, payload: dict[str, Any]) -> None:
+        self.stream.emit(payload, event=str(payload["type"]))
 
-    async def think(self, text: str) -> None:
+    def think(self, text: str) -> None:
         if self.thinking is None:
-            await self.close_text()
-            await self.send(
+            self.close_text()
+            self.send(
                 {
                     "type": "content_block_start",
                     "index": self.index,
@@ -157,7 +160,7 @@ class _BlockWriter:
             )
             self.thinking = []
         self.thinking.append(text)
-        await self.send(
+        self.send(
             {
                 "type": "content_block_delta",
                 "index": self.index,
@@ -165,26 +168,26 @@ class _BlockWriter:
             }
         )
 
-    async def close_thinking(self) -> None:
+    def close_thinking(self) -> None:
         """The signature covers the whole block, so it goes out when the block ends."""
         if self.thinking is None:
             return
         signed = thinking_block(self.session, "".join(self.thinking))["signature"]
-        await self.send(
+        self.send(
             {
                 "type": "content_block_delta",
                 "index": self.index,
                 "delta": {"type": "signature_delta", "signature": signed},
             }
         )
-        await self.send({"type": "content_block_stop", "index": self.index})
+        self.send({"type": "content_block_stop", "index": self.index})
         self.index += 1
         self.thinking = None
 
-    async def text(self, text: str) -> None:
-        await self.close_thinking()
+    def text(self, text: str) -> None:
+        self.close_thinking()
         if not self.text_open:
-            await self.send(
+            self.send(
                 {
                     "type": "content_block_start",
                     "index": self.index,
@@ -192,7 +195,7 @@ class _BlockWriter:
                 }
             )
             self.text_open = True
-        await self.send(
+        self.send(
             {
                 "type": "content_block_delta",
                 "index": self.index,
@@ -200,16 +203,16 @@ class _BlockWriter:
             }
         )
 
-    async def close_text(self) -> None:
+    def close_text(self) -> None:
         if self.text_open:
-            await self.send({"type": "content_block_stop", "index": self.index})
+            self.send({"type": "content_block_stop", "index": self.index})
             self.index += 1
             self.text_open = False
 
-    async def tool_use(self, call: ToolCall) -> None:
-        await self.close_thinking()
-        await self.close_text()
-        await self.send(
+    def tool_use(self, call: ToolCall) -> None:
+        self.close_thinking()
+        self.close_text()
+        self.send(
             {
                 "type": "content_block_start",
                 "index": self.index,
@@ -222,15 +225,32 @@ class _BlockWriter:
             }
         )
         # The call is complete when it is reported: its arguments go out in one delta.
-        await self.send(
+        self.send(
             {
                 "type": "content_block_delta",
                 "index": self.index,
                 "delta": {"type": "input_json_delta", "partial_json": call.arguments},
             }
         )
-        await self.send({"type": "content_block_stop", "index": self.index})
+        self.send({"type": "content_block_stop", "index": self.index})
         self.index += 1
+
+    def event(self, event: TurnEvent) -> None:
+        """The events of a delta or a tool call (the end is the writer's)."""
+        if isinstance(event, TextDelta):
+            self.text(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self.think(event.text)
+        elif isinstance(event, ToolCallReady):
+            self.tool_use(event.call)
+
+    def writable_now(self) -> bool:
+        return self.stream.writable_now()
+
+    def write_now(self, events: Sequence[TurnEvent]) -> None:
+        for event in events:
+            self.event(event)
+        self.stream.flush_now()
 
 
 async def stream_message(
@@ -241,7 +261,7 @@ async def stream_message(
     try:
         stream = await EventStream.open(request)
         writer = _BlockWriter(stream, prepared.session)
-        await writer.send(
+        writer.send(
             {
                 "type": "message_start",
                 "message": {
@@ -256,31 +276,30 @@ async def stream_message(
                 },
             }
         )
+        await stream.flush()
+        prepared.sink = writer
         async for event in events:
-            if isinstance(event, TextDelta):
-                await writer.text(event.text)
-            elif isinstance(event, ReasoningDelta):
-                await writer.think(event.text)
-            elif isinstance(event, ToolCallReady):
-                await writer.tool_use(event.call)
-            else:
-                result = event.result
-                await writer.close_thinking()
-                await writer.close_text()
-                await writer.send(
-                    {
-                        "type": "message_delta",
-                        "delta": {
-                            "stop_reason": stop_reason(result),
-                            "stop_sequence": result.stop_sequence,
-                        },
-                        "usage": usage(result.prompt_tokens, result.completion_tokens),
-                    }
-                )
-                await writer.send({"type": "message_stop"})
+            if not isinstance(event, TurnDone):
+                writer.event(event)
+                await stream.flush()
+                continue
+            result = event.result
+            writer.close_thinking()
+            writer.close_text()
+            writer.send(
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": stop_reason(result),
+                        "stop_sequence": result.stop_sequence,
+                    },
+                    "usage": usage(result.prompt_tokens, result.completion_tokens),
+                }
+            )
+            writer.send({"type": "message_stop"})
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
-        await stream.send(error_body(exc), event="error")
+        stream.emit(error_body(exc), event="error")
     return await stream.close()
 
 

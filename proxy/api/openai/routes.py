@@ -18,7 +18,16 @@ from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
-from proxy.service import ReasoningDelta, TextDelta, ToolCallReady, TurnRequest, TurnResult
+from proxy.service import (
+    PreparedTurn,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallReady,
+    TurnDone,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+)
 
 
 def finish_reason(result: TurnResult) -> str:
@@ -114,68 +123,99 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     async with streamed_choices(service, session, turns) as (prepared, events):
         return await stream_chat_completion(
-            request, events, include_usage, choices=len(prepared), model=prepared[0].served.name
+            request, prepared, events, include_usage, model=prepared[0].served.name
         )
+
+
+class _ChatChunks:
+    """The chunks of one streamed chat completion, queued on its event stream.
+
+    With a single choice it is the turn's sink: the relay writes a step's delta through
+    it as the step arrives."""
+
+    def __init__(self, stream: EventStream, model: str) -> None:
+        self.stream = stream
+        self.base = {
+            "id": new_id("chatcmpl", "-"),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None) -> None:
+        self.stream.emit(
+            self.base
+            | {
+                "choices": [
+                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                ]
+            }
+        )
+
+    def event(self, index: int, event: TurnEvent) -> None:
+        """The chunk of a delta or a tool call (the end is the writer's)."""
+        if isinstance(event, TextDelta):
+            self.chunk(index, {"content": event.text})
+        elif isinstance(event, ReasoningDelta):
+            text = event.text
+            self.chunk(index, {"reasoning_content": text, "reasoning": text})
+        elif isinstance(event, ToolCallReady):
+            call = event.call
+            self.chunk(
+                index,
+                {
+                    "tool_calls": [
+                        {
+                            "index": event.index,
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ]
+                },
+            )
+
+    def writable_now(self) -> bool:
+        return self.stream.writable_now()
+
+    def write_now(self, events: Sequence[TurnEvent]) -> None:
+        for event in events:
+            self.event(0, event)
+        self.stream.flush_now()
 
 
 async def stream_chat_completion(
     request: web.Request,
+    prepared: Sequence[PreparedTurn],
     events: AsyncGenerator[IndexedEvent, None],
     include_usage: bool,
     *,
-    choices: int = 1,
     model: str = "",
 ) -> web.StreamResponse:
     """OpenAI chat-completion chunks, one per engine delta (each tagged with its choice's
     index), then ``data: [DONE]``."""
     stream = await EventStream.open(request)
-    base = {
-        "id": new_id("chatcmpl", "-"),
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-    }
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return base | {
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        }
-
+    chunks = _ChatChunks(stream, model)
     done: list[TurnResult] = []
-    for index in range(choices):
-        await stream.send(chunk(index, {"role": "assistant", "content": ""}))
+    for index in range(len(prepared)):
+        chunks.chunk(index, {"role": "assistant", "content": ""})
+    await stream.flush()
+    if len(prepared) == 1:
+        prepared[0].sink = chunks
     try:
         async for index, event in events:
-            if isinstance(event, TextDelta):
-                await stream.send(chunk(index, {"content": event.text}))
-            elif isinstance(event, ReasoningDelta):
-                text = event.text
-                await stream.send(chunk(index, {"reasoning_content": text, "reasoning": text}))
-            elif isinstance(event, ToolCallReady):
-                call = event.call
-                await stream.send(
-                    chunk(
-                        index,
-                        {
-                            "tool_calls": [
-                                {
-                                    "index": event.index,
-                                    "id": call.id,
-                                    "type": "function",
-                                    "function": {"name": call.name, "arguments": call.arguments},
-                                }
-                            ]
-                        },
-                    )
-                )
-            else:
+            if isinstance(event, TurnDone):
                 result = event.result
-                base["model"] = result.model
+                chunks.base["model"] = result.model
                 done.append(result)
-                await stream.send(chunk(index, {}, finish_reason(result)))
+                chunks.chunk(index, {}, finish_reason(result))
+            else:
+                chunks.event(index, event)
+            if len(prepared) > 1 or not isinstance(event, TurnDone):
+                await stream.flush()  # a single choice's end leaves with the stream's
         if include_usage and done:
-            await stream.send(
-                base
+            stream.emit(
+                chunks.base
                 | {
                     "choices": [],
                     "usage": usage(done[0].prompt_tokens, sum(r.completion_tokens for r in done)),
@@ -183,8 +223,8 @@ async def stream_chat_completion(
             )
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
-        await stream.send(error_body(exc))
-    await stream.send_raw(b"[DONE]")
+        stream.emit(error_body(exc))
+    stream.emit_raw(b"[DONE]")
     return await stream.close()
 
 

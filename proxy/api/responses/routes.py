@@ -8,7 +8,7 @@ response and its events. Errors take the OpenAI shape (the default of ``api.erro
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from aiohttp import web
 
@@ -26,7 +26,14 @@ from proxy.api.sse import EventStream
 from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
-from proxy.service import ReasoningDelta, TextDelta, TurnDone, TurnEvent, TurnRequest
+from proxy.service import (
+    PreparedTurn,
+    ReasoningDelta,
+    TextDelta,
+    TurnDone,
+    TurnEvent,
+    TurnRequest,
+)
 
 
 def _echo(parsed: ResponsesRequest) -> ResponseEcho:
@@ -83,31 +90,58 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         echo,
     )
     async with service.streaming(prepared) as events:
-        return await stream_response(request, ResponseStream(head), events)
+        return await stream_response(request, prepared, ResponseStream(head), events)
+
+
+class _ResponseEvents:
+    """A streamed response's events, queued on its event stream; the turn's sink (the
+    relay writes a step's deltas through it as the step arrives)."""
+
+    def __init__(self, stream: EventStream, writer: ResponseStream) -> None:
+        self.stream = stream
+        self.writer = writer
+
+    def send(self, batch: list[Event]) -> None:
+        for kind, payload in batch:
+            self.stream.emit(payload, event=kind)
+
+    def event(self, event: TurnEvent) -> None:
+        if isinstance(event, TextDelta):
+            self.send(self.writer.text(event.text))
+        elif isinstance(event, ReasoningDelta):
+            self.send(self.writer.reasoning(event.text))
+        elif isinstance(event, TurnDone):
+            self.send(self.writer.finish(event.result))
+        # ToolCallReady: the calls are sent from the result (see ``output``).
+
+    def writable_now(self) -> bool:
+        return self.stream.writable_now()
+
+    def write_now(self, events: Sequence[TurnEvent]) -> None:
+        for event in events:
+            self.event(event)
+        self.stream.flush_now()
 
 
 async def stream_response(
-    request: web.Request, writer: ResponseStream, events: AsyncGenerator[TurnEvent, None]
+    request: web.Request,
+    prepared: PreparedTurn,
+    writer: ResponseStream,
+    events: AsyncGenerator[TurnEvent, None],
 ) -> web.StreamResponse:
     stream = await EventStream.open(request)
-
-    async def send(batch: list[Event]) -> None:
-        for kind, payload in batch:
-            await stream.send(payload, event=kind)
-
+    out = _ResponseEvents(stream, writer)
     try:
-        await send(writer.start())
+        out.send(writer.start())
+        await stream.flush()
+        prepared.sink = out
         async for event in events:
-            if isinstance(event, TextDelta):
-                await send(writer.text(event.text))
-            elif isinstance(event, ReasoningDelta):
-                await send(writer.reasoning(event.text))
-            elif isinstance(event, TurnDone):
-                await send(writer.finish(event.result))
-            # ToolCallReady: the calls are sent from the result (see ``output``).
+            out.event(event)
+            if not isinstance(event, TurnDone):
+                await stream.flush()  # the end leaves with the stream's
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
-        await send(writer.fail(exc))
+        out.send(writer.fail(exc))
     return await stream.close()
 
 

@@ -1,0 +1,115 @@
+"""A streamed reply's deltas are written by the relay as each engine step arrives (no
+task switch per step), in every agent API, on the real proxy, hf worker and official
+clients: the client reads the same text as the whole reply, and the steps really went
+through the relay's writer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from anthropic import AsyncAnthropic
+from openai import AsyncOpenAI
+
+from proxy.embedded import RunningProxy
+from relay.pool import RelayCall, TokensEvent
+from sdk.client import ProxyClient
+from tests.e2e.conftest import first_seed
+
+
+@pytest.fixture
+def written_by_relay(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tokens each step the relay wrote itself had."""
+    taken: list[int] = []
+    real = RelayCall._take
+
+    def spy(call: RelayCall, sink: Any, tokens: TokensEvent) -> bool:
+        count = len(tokens.token_ids)
+        ok = real(call, sink, tokens)
+        if ok:
+            taken.append(count)
+        return ok
+
+    monkeypatch.setattr(RelayCall, "_take", spy)
+    return taken
+
+
+async def test_chat_stream_written_by_the_relay(
+    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+) -> None:
+    trial = await proxy_client.create_session()
+    async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+
+        async def attempt(seed: int) -> tuple[str, list[str]] | None:
+            kwargs: dict[str, Any] = {
+                "model": "m",
+                "messages": [{"role": "user", "content": f"tell me {seed}"}],
+                "max_tokens": 24,
+                "seed": seed,
+            }
+            whole = await client.chat.completions.create(**kwargs)
+            text = whole.choices[0].message.content or ""
+            if len(text) < 8:
+                return None
+            written_by_relay.clear()
+            stream = await client.chat.completions.create(stream=True, **kwargs)
+            pieces = [
+                c.choices[0].delta.content
+                async for c in stream
+                if c.choices and c.choices[0].delta.content
+            ]
+            return text, pieces
+
+        text, pieces = await first_seed(attempt)
+    assert "".join(pieces) == text
+    assert len(written_by_relay) >= len(pieces) - 1 > 0
+
+
+async def test_anthropic_stream_written_by_the_relay(
+    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+) -> None:
+    async def attempt(seed: int) -> tuple[str, str] | None:
+        trial = await proxy_client.create_session(sampling={"seed": seed, "max_tokens": 24})
+        async with AsyncAnthropic(
+            base_url=trial.anthropic_base_url, api_key=trial.api_key
+        ) as client:
+            request: dict[str, Any] = {
+                "model": "m",
+                "max_tokens": 24,
+                "messages": [{"role": "user", "content": "tell me"}],
+            }
+            whole = await client.messages.create(**request)
+            text = "".join(b.text for b in whole.content if b.type == "text")
+            if len(text) < 8:
+                return None
+            written_by_relay.clear()
+            async with client.messages.stream(**request) as stream:
+                streamed = "".join([piece async for piece in stream.text_stream])
+            return text, streamed
+
+    text, streamed = await first_seed(attempt)
+    assert streamed == text
+    assert written_by_relay
+
+
+async def test_responses_stream_written_by_the_relay(
+    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+) -> None:
+    async def attempt(seed: int) -> tuple[str, str] | None:
+        trial = await proxy_client.create_session(sampling={"seed": seed, "max_tokens": 24})
+        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+            request: dict[str, Any] = {"model": "m", "input": "tell me", "max_output_tokens": 24}
+            whole = await client.responses.create(**request)
+            if len(whole.output_text) < 8:
+                return None
+            written_by_relay.clear()
+            deltas = [
+                event.delta
+                async for event in await client.responses.create(stream=True, **request)
+                if event.type == "response.output_text.delta"
+            ]
+            return whole.output_text, "".join(deltas)
+
+    text, streamed = await first_seed(attempt)
+    assert streamed == text
+    assert written_by_relay
