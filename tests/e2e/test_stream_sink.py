@@ -113,3 +113,31 @@ async def test_responses_stream_written_by_the_relay(
     text, streamed = await first_seed(attempt)
     assert streamed == text
     assert written_by_relay
+
+
+async def test_completions_stream_written_by_the_relay_after_its_first_chunk(
+    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+) -> None:
+    """The legacy API has no opening event: its first chunk goes out through aiohttp,
+    the later ones through the relay."""
+    trial = await proxy_client.create_session()
+    async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+
+        async def attempt(seed: int) -> tuple[str, list[str]] | None:
+            kwargs: dict[str, Any] = {
+                "model": "m",
+                "prompt": f"once upon a time {seed}",
+                "max_tokens": 24,
+                "seed": seed,
+            }
+            whole = await client.completions.create(**kwargs)
+            if len(whole.choices[0].text) < 8:
+                return None
+            written_by_relay.clear()
+            stream = await client.completions.create(stream=True, **kwargs)
+            pieces = [c.choices[0].text async for c in stream if c.choices and c.choices[0].text]
+            return whole.choices[0].text, pieces
+
+        text, pieces = await first_seed(attempt)
+    assert "".join(pieces) == text
+    assert len(written_by_relay) >= len(pieces) - 2 > 0

@@ -23,7 +23,15 @@ from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import BadRequestError, ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
-from proxy.service import TextDelta, TurnDone, TurnRequest, TurnResult, TurnService
+from proxy.service import (
+    PreparedTurn,
+    TextDelta,
+    TurnDone,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+    TurnService,
+)
 from proxy.sessions.model import Session
 
 # Text prompts longer than this are tokenized off the event loop.
@@ -132,9 +140,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     async with streamed_choices(service, session, turns) as (prepared, events):
         tokenizer = prepared[0].served.renderer.tokenizer
-        return await _stream(
-            request, events, parsed, tokenizer, prompt, prepared[0].served.name, include_usage
-        )
+        return await _stream(request, prepared, events, parsed, tokenizer, prompt, include_usage)
 
 
 def _choice(
@@ -158,13 +164,40 @@ def _choice(
     return choice
 
 
+class _TextChunks:
+    """The ``text_completion`` chunks of one stream, queued on its event stream; the
+    turn's sink when there is a single choice."""
+
+    def __init__(self, stream: EventStream, model: str) -> None:
+        self.stream = stream
+        self.base = {
+            "id": new_id("cmpl", "-"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def event(self, index: int, event: TurnEvent) -> None:
+        if isinstance(event, TextDelta):
+            choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": None}
+            self.stream.emit(self.base | {"choices": [choice]})
+
+    def writable_now(self) -> bool:
+        return self.stream.writable_now()
+
+    def write_now(self, events: Sequence[TurnEvent]) -> None:
+        for event in events:
+            self.event(0, event)
+        self.stream.flush_now()
+
+
 async def _stream(
     request: web.Request,
+    prepared: Sequence[PreparedTurn],
     events: AsyncGenerator[IndexedEvent, None],
     parsed: CompletionRequest,
     tokenizer: Any,
     prompt_ids: Sequence[int],
-    model: str,
     include_usage: bool,
 ) -> web.StreamResponse:
     """``text_completion`` chunks, one per engine delta and choice, then ``data: [DONE]``.
@@ -172,33 +205,26 @@ async def _stream(
     With ``logprobs``, a choice's logprobs arrive with its final chunk (the one that
     carries its finish reason); concatenated over the chunks they are the whole list."""
     stream = await EventStream.open(request)
-    base = {
-        "id": new_id("cmpl", "-"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
+    chunks = _TextChunks(stream, prepared[0].served.name)
+    if len(prepared) == 1:
+        prepared[0].sink = chunks  # from the first flush on
     done: list[TurnResult] = []
     try:
         async for index, event in events:
-            if isinstance(event, TextDelta):
-                choice = {
-                    "index": index,
-                    "text": event.text,
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                await stream.send(base | {"choices": [choice]})
-            elif isinstance(event, TurnDone):
+            if isinstance(event, TurnDone):
                 done.append(event.result)
                 final = _choice(event.result, index, parsed, tokenizer, prompt_ids, text="")
-                await stream.send(base | {"choices": [final]})
+                stream.emit(chunks.base | {"choices": [final]})
+            else:
+                chunks.event(index, event)
+            if len(prepared) > 1 or not isinstance(event, TurnDone):
+                await stream.flush()  # a single choice's end leaves with the stream's
         if include_usage and done:
-            await stream.send(base | {"choices": [], "usage": usage(done)})
+            stream.emit(chunks.base | {"choices": [], "usage": usage(done)})
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
-        await stream.send(error_body(exc))
-    await stream.send_raw(b"[DONE]")
+        stream.emit(error_body(exc))
+    stream.emit_raw(b"[DONE]")
     return await stream.close()
 
 
