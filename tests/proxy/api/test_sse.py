@@ -4,9 +4,10 @@ the response has begun they can be written without waiting, as valid chunked HTT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientError, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.sse import EventStream
@@ -88,3 +89,33 @@ async def test_an_http_1_0_client_is_never_written_to_without_waiting() -> None:
     assert b"Transfer-Encoding" not in head
     assert body == b'data: {"n":1}\n\n'
     assert seen == {"writable": False}
+
+
+async def test_a_socket_with_a_backlog_is_left_to_the_waiting_writer() -> None:
+    """A client that reads slowly (data still buffered for its socket) is not written to
+    without waiting: the stream's own flush waits for it instead."""
+    seen: dict[str, bool] = {}
+
+    class Backlogged(_CountingTransport):
+        def get_write_buffer_size(self) -> int:
+            return 1
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        stream = await EventStream.open(request)
+        await stream.send({"n": 1})
+        seen["free"] = stream.writable_now()
+        real = stream._transport
+        stream._transport = Backlogged(real, [])  # type: ignore[assignment]
+        seen["backlog"] = stream.writable_now()
+        stream._transport = real
+        real.close()
+        seen["closing"] = stream.writable_now()
+        return stream.response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestClient(TestServer(app)) as client:
+        # The handler closed the connection mid-body.
+        with contextlib.suppress(ClientError):
+            await (await client.get("/")).read()
+    assert seen == {"free": True, "backlog": False, "closing": False}
