@@ -10,11 +10,16 @@ socket takes data at once, and otherwise leaves the events to the next ``flush``
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 from aiohttp import web
 
 _encode = msgspec.json.encode
+
+E = TypeVar("E")
 
 
 class EventStream:
@@ -93,3 +98,22 @@ class EventStream:
         self._pending.clear()
         await self.response.write_eof(data)
         return self.response
+
+
+class StreamSink(ABC, Generic[E]):
+    """An API's writer as the relay sees it: it queues the events one step makes on its
+    event stream, and writes them at once when the stream can take them."""
+
+    stream: EventStream
+
+    @abstractmethod
+    def queue(self, event: E) -> None:
+        """Queue the stream events of one of the turn's events."""
+
+    def writable_now(self) -> bool:
+        return self.stream.writable_now()
+
+    def write_now(self, events: Sequence[E]) -> None:
+        for event in events:
+            self.queue(event)
+        self.stream.flush_now()

@@ -22,7 +22,7 @@ from proxy.api.anthropic.errors import anthropic_error, error_body
 from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest, SignatureCheck
 from proxy.api.anthropic.thinking import sign_thinking, thinking_signed
 from proxy.api.errors import json_response, parse_json, register_error_format
-from proxy.api.sse import EventStream
+from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.chat.messages import ChatMessage, ToolCall
 from proxy.exceptions import ProxyError, ServiceUnavailableError
@@ -133,7 +133,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         return await stream_message(request, prepared, events)
 
 
-class _BlockWriter:
+class _BlockWriter(StreamSink[TurnEvent]):
     """Content-block events of one streamed message, numbering the blocks, queued on its
     event stream. It is the turn's sink: the relay writes a step's deltas through it as
     the step arrives."""
@@ -235,7 +235,7 @@ class _BlockWriter:
         self.send({"type": "content_block_stop", "index": self.index})
         self.index += 1
 
-    def event(self, event: TurnEvent) -> None:
+    def queue(self, event: TurnEvent) -> None:
         """The events of a delta or a tool call (the end is the writer's)."""
         if isinstance(event, TextDelta):
             self.text(event.text)
@@ -243,14 +243,6 @@ class _BlockWriter:
             self.think(event.text)
         elif isinstance(event, ToolCallReady):
             self.tool_use(event.call)
-
-    def writable_now(self) -> bool:
-        return self.stream.writable_now()
-
-    def write_now(self, events: Sequence[TurnEvent]) -> None:
-        for event in events:
-            self.event(event)
-        self.stream.flush_now()
 
 
 async def stream_message(
@@ -280,7 +272,7 @@ async def stream_message(
         prepared.sink = writer
         async for event in events:
             if not isinstance(event, TurnDone):
-                writer.event(event)
+                writer.queue(event)
                 await stream.flush()
                 continue
             result = event.result

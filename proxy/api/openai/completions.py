@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.api.errors import error_body, json_response, parse_json
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import CompletionRequest
-from proxy.api.sse import EventStream
+from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import BadRequestError, ProxyError
 from proxy.ids import new_id
@@ -164,7 +164,7 @@ def _choice(
     return choice
 
 
-class _TextChunks:
+class _TextChunks(StreamSink[TurnEvent]):
     """The ``text_completion`` chunks of one stream, queued on its event stream; the
     turn's sink when there is a single choice."""
 
@@ -182,13 +182,8 @@ class _TextChunks:
             choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": None}
             self.stream.emit(self.base | {"choices": [choice]})
 
-    def writable_now(self) -> bool:
-        return self.stream.writable_now()
-
-    def write_now(self, events: Sequence[TurnEvent]) -> None:
-        for event in events:
-            self.event(0, event)
-        self.stream.flush_now()
+    def queue(self, event: TurnEvent) -> None:
+        self.event(0, event)
 
 
 async def _stream(

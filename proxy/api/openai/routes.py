@@ -13,7 +13,7 @@ from proxy.api.errors import error_body, json_response, parse_json
 from proxy.api.openai import completions
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import ChatCompletionRequest
-from proxy.api.sse import EventStream
+from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
@@ -127,7 +127,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
 
 
-class _ChatChunks:
+class _ChatChunks(StreamSink[TurnEvent]):
     """The chunks of one streamed chat completion, queued on its event stream.
 
     With a single choice it is the turn's sink: the relay writes a step's delta through
@@ -175,13 +175,8 @@ class _ChatChunks:
                 },
             )
 
-    def writable_now(self) -> bool:
-        return self.stream.writable_now()
-
-    def write_now(self, events: Sequence[TurnEvent]) -> None:
-        for event in events:
-            self.event(0, event)
-        self.stream.flush_now()
+    def queue(self, event: TurnEvent) -> None:
+        self.event(0, event)
 
 
 async def stream_chat_completion(

@@ -8,7 +8,7 @@ response and its events. Errors take the OpenAI shape (the default of ``api.erro
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
@@ -22,7 +22,7 @@ from proxy.api.responses.output import (
     new_id,
     response_body,
 )
-from proxy.api.sse import EventStream
+from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
@@ -93,7 +93,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await stream_response(request, prepared, ResponseStream(head), events)
 
 
-class _ResponseEvents:
+class _ResponseEvents(StreamSink[TurnEvent]):
     """A streamed response's events, queued on its event stream; the turn's sink (the
     relay writes a step's deltas through it as the step arrives)."""
 
@@ -105,7 +105,7 @@ class _ResponseEvents:
         for kind, payload in batch:
             self.stream.emit(payload, event=kind)
 
-    def event(self, event: TurnEvent) -> None:
+    def queue(self, event: TurnEvent) -> None:
         if isinstance(event, TextDelta):
             self.send(self.writer.text(event.text))
         elif isinstance(event, ReasoningDelta):
@@ -113,14 +113,6 @@ class _ResponseEvents:
         elif isinstance(event, TurnDone):
             self.send(self.writer.finish(event.result))
         # ToolCallReady: the calls are sent from the result (see ``output``).
-
-    def writable_now(self) -> bool:
-        return self.stream.writable_now()
-
-    def write_now(self, events: Sequence[TurnEvent]) -> None:
-        for event in events:
-            self.event(event)
-        self.stream.flush_now()
 
 
 async def stream_response(
@@ -136,7 +128,7 @@ async def stream_response(
         await stream.flush()
         prepared.sink = out
         async for event in events:
-            out.event(event)
+            out.queue(event)
             if not isinstance(event, TurnDone):
                 await stream.flush()  # the end leaves with the stream's
     except ProxyError as exc:
