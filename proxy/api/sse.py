@@ -84,14 +84,6 @@ class EventStream:
             self._pending.clear()
             self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
-    async def send(self, payload: object, event: str | None = None) -> None:
-        self.emit(payload, event)
-        await self.flush()
-
-    async def send_raw(self, data: bytes) -> None:
-        self.emit_raw(data)
-        await self.flush()
-
     async def close(self) -> web.StreamResponse:
         """Write what is queued and end the response (one write for both)."""
         data = b"".join(self._pending)

@@ -74,7 +74,8 @@ async def test_an_http_1_0_client_is_never_written_to_without_waiting() -> None:
 
     async def handler(request: web.Request) -> web.StreamResponse:
         stream = await EventStream.open(request)
-        await stream.send({"n": 1})
+        stream.emit({"n": 1})
+        await stream.flush()
         seen["writable"] = stream.writable_now()
         return await stream.close()
 
@@ -102,7 +103,8 @@ async def test_a_socket_with_a_backlog_is_left_to_the_waiting_writer() -> None:
 
     async def handler(request: web.Request) -> web.StreamResponse:
         stream = await EventStream.open(request)
-        await stream.send({"n": 1})
+        stream.emit({"n": 1})
+        await stream.flush()
         seen["free"] = stream.writable_now()
         real = stream._transport
         stream._transport = Backlogged(real, [])  # type: ignore[assignment]
