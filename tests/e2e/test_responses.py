@@ -272,7 +272,7 @@ async def test_stream_events_validate_and_keep_order(proxy_client: ProxyClient) 
         ]
         return events if done[:1] == ["message"] and len(done) >= 2 else None
 
-    events = await first_seed(attempt, seeds=range(48))  # text, then at least one call
+    events = await first_seed(attempt, seeds=range(200))  # text, then at least one call
     names = [name for name, _ in events]
     assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
     done = [data["item"] for name, data in events if name == "response.output_item.done"]
