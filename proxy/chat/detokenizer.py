@@ -1,18 +1,22 @@
 """Incremental detokenization for streaming.
 
 Byte-level tokenizers split multi-byte characters across tokens, and decoding a token
-alone can differ from decoding it in context. The detokenizer therefore decodes a short
-window of recent tokens and emits only the text that the window's new tokens added,
-holding back text that ends in an incomplete character (U+FFFD) until the next token
-completes it. A trailing stop token is held back too: when the generation ends on it, its
-text is never shown (the agent receives the reply without it, as in the non-streamed
-case). The concatenation of all emitted text equals ``ChatRenderer.completion_text``.
+alone can differ from decoding it in context. Text is therefore emitted only once a
+window of recent tokens decodes to complete characters, and only the text that the new
+tokens added to it. With a fast tokenizer that is the tokenizers library's own
+``DecodeStream`` (the window kept in Rust, one call per engine step, no slices of the
+reply per token); otherwise the window is decoded here, twice per step. A trailing stop
+token is held back: when the generation ends on it, its text is never shown (the agent
+receives the reply without it, as in the non-streamed case). The concatenation of all
+emitted text equals ``ChatRenderer.completion_text``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"
 
@@ -25,10 +29,13 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleans = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._backend: Any = backend if backend is not None and not cleans else None
+        self._stream = DecodeStream(skip_special_tokens=False) if self._backend else None
         self._stop = frozenset(stop_token_ids)
         self.ids: list[int] = []
         self._prefix = 0  # window start: decoding starts here for context
-        self._read = 0  # tokens before this were emitted
+        self._read = 0  # tokens before this were emitted (or, with a stream, fed to it)
+        self._shown = 0  # characters emitted
+        self._waiting = False  # the stream holds an incomplete character
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -51,14 +58,29 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, *, final: bool) -> str:
-        end = len(self.ids)
-        if end and self.ids[-1] in self._stop:
+        ids = self.ids
+        end = len(ids)
+        if end and ids[-1] in self._stop:
             end -= 1  # a trailing stop token is shown only if more tokens follow it
         if end <= self._read:
-            return ""
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix : end])
-        if after.endswith(_REPLACEMENT) and not final:
-            return ""  # an incomplete character: wait for the next token
-        self._prefix, self._read = self._read, end
-        return after[len(before) :]
+            text = ""
+        elif self._stream is not None and not (final and not self._read):
+            new = ids[self._read] if end - self._read == 1 else ids[self._read : end]
+            self._read = end
+            step = self._stream.step(self._backend, new)
+            self._waiting = step is None
+            text = step or ""
+        else:
+            before = self._decode(ids[self._prefix : self._read])
+            after = self._decode(ids[self._prefix : end])
+            if after.endswith(_REPLACEMENT) and not final:
+                return ""  # an incomplete character: wait for the next token
+            self._prefix, self._read = self._read, end
+            text = after[len(before) :]
+        if final and self._waiting:
+            # The reply ended inside a character: what the stream still holds, as the
+            # whole reply's decoding shows it.
+            self._waiting = False
+            text = self._decode(ids[:end])[self._shown :]
+        self._shown += len(text)
+        return text

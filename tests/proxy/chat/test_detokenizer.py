@@ -54,3 +54,39 @@ def test_ids_added_without_decoding_flush_to_the_whole_reply(renderer: ChatRende
         detok.add([i])
     assert detok.ids == ids
     assert detok.flush() == renderer.completion_text(ids) == text
+
+
+def test_a_reply_cut_inside_a_character_ends_as_the_whole_decoding(
+    renderer: ChatRenderer,
+) -> None:
+    """A reply cut between the byte tokens of one character: nothing of the character is
+    shown while it streams, and the end gives what decoding the whole reply gives."""
+    ids = renderer.encode("ok 🙂")
+    for cut in range(1, len(ids)):
+        if "\ufffd" not in renderer.completion_text(ids[:cut]):
+            continue
+        head, tail = ids[:cut], []
+        while head and "\ufffd" in renderer.completion_text(head[-1:]):
+            tail.insert(0, head.pop())  # the character's leading byte tokens
+        detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+        shown = "".join(detok.push([i]) for i in head)
+        partial = [detok.push([i]) for i in tail]
+        assert partial == [""] * len(tail)
+        assert shown + detok.flush() == renderer.completion_text(ids[:cut])
+        return
+    pytest.fail("the tokenizer encodes the emoji as one token: no cut inside it")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_grouped_steps_add_up_to_the_whole_reply(renderer: ChatRenderer, fast: bool) -> None:
+    """Steps of several ids, through the tokenizers library's stream and through the
+    window decoded here (a tokenizer without a usable fast backend), give the same text."""
+    text = "naïve café 🤖🤖 你好, <tool_call> done"
+    ids = [*renderer.encode(text), renderer.stop_token_ids[0]]
+    detok = IncrementalDetokenizer(renderer.tokenizer, renderer.stop_token_ids)
+    if not fast:
+        detok._backend = detok._stream = None
+    steps = [ids[i : i + 3] for i in range(0, len(ids), 3)]
+    pieces = [detok.push(step) for step in steps] + [detok.flush()]
+    assert "".join(pieces) == renderer.completion_text(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
