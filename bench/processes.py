@@ -101,10 +101,14 @@ class Proc:
 
 
 class Processes:
-    """The processes of one benchmark run; everything is stopped on exit."""
+    """The processes of one benchmark run; everything is stopped on exit.
 
-    def __init__(self, log_dir: Path | None = None) -> None:
+    ``checkout``: run the proxy and workers of another checkout of rollout-relay (its
+    own code, this environment's packages), to compare code in one session."""
+
+    def __init__(self, log_dir: Path | None = None, checkout: Path | None = None) -> None:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollout-relay-bench-"))
+        self.checkout = checkout
         self.procs: list[Proc] = []
 
     def __enter__(self) -> Processes:
@@ -121,13 +125,14 @@ class Processes:
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.log_dir / f"{name}.log"
         out = log.open("wb")
+        code = {"PYTHONPATH": str(self.checkout)} if self.checkout is not None else {}
         popen = subprocess.Popen(
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            cwd=REPO,
+            env={**os.environ, **(env or {}), **code},
+            cwd=self.checkout or REPO,
         )
         out.close()
         proc = Proc(name, popen, log)
