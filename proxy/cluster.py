@@ -10,13 +10,17 @@ carries ``X-Relay-Forwarded-By``; a replica that receives one for a trial it doe
 either has a different replica list or was reached by mistake, and answers 421 instead of
 forwarding again. An owner that does not answer is a 503 (``owner_unavailable``) with
 Retry-After: its sessions wait for it (its volume comes back with it), nothing is taken
-over.
+over. A list that spans the replicas (``GET /sessions``, the viewer's sessions) is
+gathered by the replica asked: each other replica, asked with the same header, answers
+with its own part.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import shortuuid
@@ -28,6 +32,7 @@ from proxy.exceptions import (
     ConfigurationError,
     MisdirectedRequestError,
     ServiceUnavailableError,
+    UpstreamError,
 )
 from relay.cluster import ClusterError, normalize_url, pick_owner, validate_peers
 
@@ -49,6 +54,11 @@ _NOT_FORWARDED = frozenset(
         "content-length",
     }
 )
+
+# What a replica passes on when it asks the others for their part of a list.
+_CREDENTIALS = frozenset({"authorization", "x-api-key", "api-key", "cookie"})
+# A list's part is small and asked of every replica at once: no reason to wait long.
+_ASK_SECONDS = 10.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -110,6 +120,44 @@ class Cluster:
                 await response.write(chunk)
             await response.write_eof()
         return response
+
+    async def ask(
+        self, peer: str, path: str, request: web.Request, query: Mapping[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """GET ``path`` of replica ``peer``, answered by that replica alone, with the
+        caller's credentials: its status and JSON body."""
+        assert self._http is not None, "the cluster is not started"
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _CREDENTIALS}
+        headers[FORWARDED_BY] = self.me
+        try:
+            async with self._http.get(
+                f"{peer}{path}",
+                params=query,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=_ASK_SECONDS),
+            ) as response:
+                return response.status, await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("replica %s does not answer %s: %s", peer, path, exc)
+            raise ServiceUnavailableError(
+                f"replica {peer} does not answer; retry later",
+                retry_after=self.retry_after_seconds,
+                code="replica_unavailable",
+            ) from None
+
+    async def gather(self, request: web.Request, query: Mapping[str, str]) -> list[Any]:
+        """Every other replica's part of a list that spans them (``request``'s path,
+        with ``query``): their JSON bodies. A replica that does not answer fails the
+        whole list, since a partial one would read as sessions lost."""
+        others = [peer for peer in self.peers if peer != self.me]
+        answers = await asyncio.gather(*(self.ask(p, request.path, request, query) for p in others))
+        for peer, (status, body) in zip(others, answers, strict=True):
+            if status != 200:
+                raise UpstreamError(
+                    f"replica {peer} answered {status} for its part of the list: {str(body)[:300]}",
+                    code="replica_error",
+                )
+        return [body for _, body in answers]
 
 
 CLUSTER = web.AppKey("cluster", Cluster)

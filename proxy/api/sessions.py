@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.errors import json_response, parse_json
 from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
-from proxy.cluster import CLUSTER, new_owned_trial_id
+from proxy.cluster import CLUSTER, FORWARDED_BY, Cluster, new_owned_trial_id
 from proxy.exceptions import BadRequestError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
@@ -126,16 +127,65 @@ async def delete_session(request: web.Request) -> web.Response:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
+    """Every replica's sessions, asked of any replica: each pages its own, and the one
+    asked merges them in creation order (a replica asked by another lists its own)."""
     try:
         limit = int(request.query.get("limit", "100"))
     except ValueError:
         raise BadRequestError("limit must be an integer", code="invalid_request") from None
     if not 1 <= limit <= 1000:
         raise BadRequestError("limit must be between 1 and 1000", code="invalid_request")
-    sessions, cursor = request.app[SESSIONS].page(limit=limit, after=request.query.get("after"))
-    return json_response(
-        {"sessions": [s.summary(base_url(request, s)) for s in sessions], "next": cursor}
-    )
+    after = request.query.get("after")
+    cluster = request.app.get(CLUSTER)
+    if cluster is None or FORWARDED_BY in request.headers:
+        # Asked for its part by another replica: the cursor's place comes along.
+        at = request.query.get("at") if cluster is not None else None
+        position = _position(at, after) if at is not None else None
+        sessions, cursor = request.app[SESSIONS].page(
+            limit=limit, after=None if position else after, position=position
+        )
+        return json_response(
+            {"sessions": [s.summary(base_url(request, s)) for s in sessions], "next": cursor}
+        )
+    return json_response(await _every_replica(request, cluster, limit, after))
+
+
+def _position(at: str, after: str | None) -> tuple[float, str]:
+    try:
+        created = float(at)
+    except ValueError:
+        raise BadRequestError("at must be a number", code="invalid_cursor") from None
+    if after is None:
+        raise BadRequestError("at needs after", code="invalid_cursor")
+    return (created, after)
+
+
+async def _every_replica(
+    request: web.Request, cluster: Cluster, limit: int, after: str | None
+) -> dict[str, Any]:
+    registry = request.app[SESSIONS]
+    position: tuple[float, str] | None = None
+    if after is not None:
+        owner = cluster.owner_of(after)
+        if owner is None:
+            position = registry.position(after)
+        else:  # the cursor's session lives on its owner: its place comes from there
+            status, body = await cluster.ask(owner, f"/sessions/{quote(after, safe='')}", request)
+            if status != 200:
+                raise BadRequestError(f"unknown cursor {after!r}", code="invalid_cursor")
+            position = (float(body["created_at"]), after)
+    query = {"limit": str(limit)}
+    if position is not None:
+        query |= {"after": position[1], "at": repr(position[0])}
+    parts = await cluster.gather(request, query)
+    mine, cursor = registry.page(limit=limit, position=position)
+    rows = [s.summary(base_url(request, s)) for s in mine]
+    for part in parts:
+        rows += part["sessions"]
+    rows.sort(key=lambda row: (row["created_at"], row["trial_id"]))
+    more = len(rows) > limit or cursor is not None or any(p["next"] for p in parts)
+    page = rows[:limit]
+    return {"sessions": page, "next": page[-1]["trial_id"] if more and page else None}
 
 
 def add_routes(app: web.Application) -> None:

@@ -27,6 +27,7 @@ from aiohttp import web
 from proxy.api.errors import json_response
 from proxy.appkeys import CONFIG, MODELS, SESSIONS
 from proxy.auth import AuthPolicy, Verdict, presented_credentials, secret_equal
+from proxy.cluster import CLUSTER, FORWARDED_BY
 from proxy.exceptions import AuthenticationError, BadRequestError, NotFoundError
 from proxy.sessions.model import Session, TurnNode
 
@@ -154,8 +155,9 @@ def _turn(node: TurnNode) -> dict[str, Any]:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
+    """The newest sessions of every replica (a replica asked by another lists its own)."""
     _require(request)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "trial_id": s.trial_id,
             "status": s.state.value,
@@ -163,10 +165,17 @@ async def list_sessions(request: web.Request) -> web.Response:
             "turns": len(s.nodes),
             "branches": sum(1 for _ in s.leaves()),
             "reward": s.reward,
+            "created_at": s.created_at,
             "updated_at": s.updated_at,
         }
         for s in request.app[SESSIONS].newest(SESSIONS_LISTED)
     ]
+    cluster = request.app.get(CLUSTER)
+    if cluster is not None and FORWARDED_BY not in request.headers:
+        for part in await cluster.gather(request, {}):
+            rows += part["sessions"]
+        rows.sort(key=lambda row: row["created_at"], reverse=True)
+        del rows[SESSIONS_LISTED:]
     return json_response({"sessions": rows})
 
 

@@ -114,19 +114,28 @@ class SessionRegistry:
             self._deleted.popitem(last=False)
         return session
 
-    def page(self, *, limit: int, after: str | None) -> tuple[list[Session], str | None]:
-        """Sessions in creation order, ``limit`` at a time; ``after`` is the last id seen."""
+    def page(
+        self,
+        *,
+        limit: int,
+        after: str | None = None,
+        position: tuple[float, str] | None = None,
+    ) -> tuple[list[Session], str | None]:
+        """Sessions in creation order, ``limit`` at a time: after ``after`` (the last id
+        seen, a session of this registry) or after ``position`` (a session's
+        ``(created_at, trial_id)``, where another replica holds it)."""
         ordered = sorted(self._sessions.values(), key=lambda s: (s.created_at, s.trial_id))
         if after is not None:
-            ordered = [
-                s for s in ordered if (s.created_at, s.trial_id) > self._position(after, ordered)
-            ]
+            position = self.position(after)
+        if position is not None:
+            ordered = [s for s in ordered if (s.created_at, s.trial_id) > position]
         page = ordered[:limit]
         cursor = page[-1].trial_id if len(ordered) > limit else None
         return page, cursor
 
-    def _position(self, after: str, ordered: list[Session]) -> tuple[float, str]:
-        session = self._sessions.get(TrialId(after))
+    def position(self, trial_id: str) -> tuple[float, str]:
+        """Where a session stands in creation order (a list's cursor)."""
+        session = self._sessions.get(TrialId(trial_id))
         if session is None:
-            raise BadRequestError(f"unknown cursor {after!r}", code="invalid_cursor")
+            raise BadRequestError(f"unknown cursor {trial_id!r}", code="invalid_cursor")
         return (session.created_at, session.trial_id)

@@ -244,9 +244,17 @@ async def test_a_replica_killed_and_restarted_loses_nothing(
         async with http.get(f"{a.url}/sessions/{on_b.trial_id}") as response:
             assert response.status == 503
             assert int(response.headers["Retry-After"]) > 0
+        # A list of every replica's sessions cannot be whole without it: refused, not cut.
+        for listing in ("/sessions", "/ui/api/sessions"):
+            async with http.get(f"{a.url}{listing}") as response:
+                assert response.status == 503, listing
+                assert (await response.json())["error"]["code"] == "replica_unavailable"
+                assert int(response.headers["Retry-After"]) > 0
 
         b.start()  # same port, same data directory
         assert await client.trajectories(on_b.trial_id) == before
+        listed = await client.list_sessions(limit=1000)
+        assert {on_a.trial_id, on_b.trial_id} <= {s["trial_id"] for s in listed["sessions"]}
         await _until_workers(b, 1)  # the worker found it again by itself
         await _episode(http, on_b, a.url)
         after = await client.trajectories(on_b.trial_id)
@@ -261,6 +269,52 @@ async def test_a_replica_killed_and_restarted_loses_nothing(
             "new_branch",
             "continued",
         ]
+
+
+async def test_any_replica_lists_every_replicas_sessions(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """``GET /sessions`` and the viewer's list, asked of either replica, hold the sessions
+    of both: paged in creation order, each once, a cursor on either replica."""
+    a, b = replicas
+    peers = [a.url, b.url]
+    async with ProxyClient(a.url) as client, aiohttp.ClientSession() as http:
+        made = [
+            (await client.create_session(_an_id_owned_by(url, peers, f"listed{n}"))).trial_id
+            for n, url in enumerate([a.url, b.url, b.url, a.url, b.url])
+        ]
+        own: dict[str, list[dict[str, Any]]] = {}
+        for replica in replicas:  # what each holds itself, asked as a replica asks
+            async with http.get(
+                f"{replica.url}/sessions?limit=1000", headers={FORWARDED_BY: "a test"}
+            ) as response:
+                own[replica.url] = (await response.json())["sessions"]
+        assert {s["trial_id"] for s in own[b.url]} >= set(made[1:3])
+        assert not {s["trial_id"] for s in own[a.url]} & {s["trial_id"] for s in own[b.url]}
+        everything = sorted(own[a.url] + own[b.url], key=lambda s: (s["created_at"], s["trial_id"]))
+
+        for replica in replicas:
+            seen: list[dict[str, Any]] = []
+            after: str | None = None
+            while True:
+                async with ProxyClient(replica.url) as lister:
+                    page = await lister.list_sessions(limit=2, after=after)
+                assert len(page["sessions"]) <= 2
+                seen += page["sessions"]
+                after = page["next"]
+                if after is None:
+                    break
+            assert [s["trial_id"] for s in seen] == [s["trial_id"] for s in everything]
+            for session in seen:  # each names its owner, wherever it was listed
+                assert session["base_url"].startswith(owner(session["trial_id"], peers))
+
+            async with http.get(f"{replica.url}/ui/api/sessions") as response:
+                rows = (await response.json())["sessions"]
+            assert [r["trial_id"] for r in rows] == [s["trial_id"] for s in everything[::-1]]
+
+        async with http.get(f"{a.url}/sessions?after=nobody-registered-this") as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["code"] == "invalid_cursor"
 
 
 def _an_id_owned_by(url: str, peers: list[str], prefix: str = "trial") -> str:
