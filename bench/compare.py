@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.agents import Target, run_load
-from bench.harness import PACED_MODEL, _wait_for_model
+from bench.harness import PACED_MODEL, wait_for_model
 from bench.processes import Processes, wait_http
 
 MODES = ("streamed", "whole", "grouped")
@@ -67,7 +67,7 @@ async def measure(
         worker = procs.instant_worker(
             proxy, model_dir, reply_tokens=tokens, name=PACED_MODEL, tokens_per_second=pace
         )
-        await _wait_for_model(proxy.url, PACED_MODEL)
+        await wait_for_model(proxy.url, PACED_MODEL)
         cells = []
         for count in streams:
             proxy_before, worker_before = proxy.cpu_seconds(), worker.cpu_seconds()

@@ -264,7 +264,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-async def _wait_for_model(url: str, model: str, within: float = 60.0) -> None:
+async def wait_for_model(url: str, model: str, within: float = 60.0) -> None:
     """Until a worker serving ``model`` has joined (readiness needs just one worker)."""
     from bench.processes import ADMIN_TOKEN
 
@@ -717,9 +717,9 @@ async def run(
             save(results)
         if "stream" in sections:
             print("paced streams", flush=True)
-            await _wait_for_model(proxy.url, PACED_MODEL)
+            await wait_for_model(proxy.url, PACED_MODEL)
             if grouped is not None:
-                await _wait_for_model(grouped.url, PACED_MODEL)
+                await wait_for_model(grouped.url, PACED_MODEL)
             results["stream"] = await section_stream(stack, sizes)
             if grouped is not None:
                 grouped.stop()  # what follows is measured without it
