@@ -201,12 +201,15 @@ class WeightSync:
             answers = await self._phase(
                 handles, protocol.Commit(update.update_id), protocol.UpdatePhase.COMMITTED
             )
-            self.pool.version, self.pool.weights_path = update.version, update.path
+            # A stamp-only update keeps the weights, and so the checkpoint they came from.
+            path = update.path or self.pool.weights_path
+            self.pool.version, self.pool.weights_path = update.version, path
             update.advance(UpdateState.COMMITTED)
             for handle in handles:
                 answer = answers.get(handle.worker_id)
                 if isinstance(answer, protocol.UpdateAck) and answer.ok:
-                    handle.version, handle.weights_path = update.version, update.path
+                    handle.version = update.version
+                    handle.weights_path = update.path or handle.weights_path
                 elif answer is not None:  # it did not commit: its weights are unknown
                     await self._out_of_service(handle, _reason(answer))
             log.info("weight update %s: version %d serves", update.update_id, update.version)
@@ -304,7 +307,7 @@ class WeightSync:
                     handle, f"could not load weights version {target}: {_reason(answer)}"
                 )
                 return
-            handle.version, handle.weights_path = target, path
+            handle.version, handle.weights_path = target, path or handle.weights_path
             log.info("worker %s caught up to weights version %d", handle.worker_id, target)
             self.pool.serve(handle)
 

@@ -256,10 +256,11 @@ class WorkerPolicy:
                     await engine.commit(version)
             finally:
                 self._finish()
-            self.path = path
+            # Stamped without a checkpoint: the weights, and where they came from, stay.
+            self.path = path or self.path
         log.info("serving weights version %d (%s)", version, path or "no checkpoint")
         for listener in list(self._listeners):
-            listener(version, path)
+            listener(version, self.path)
         return version
 
     async def rollback(self, update_id: str) -> None:

@@ -4,7 +4,8 @@
 every connected worker loads the Hugging Face model directory at ``path`` (the trainer
 wrote it on storage the workers can read) and serves ``version``; the answer comes once
 they all do. Without ``path`` the version is only stamped (the trainer updated the engines
-itself, as verl does). ``GET /weights``: the version served and each worker's. The relay
+itself, as verl does; ``path`` in the answers stays the checkpoint last loaded). ``GET
+/weights``: the version served and each worker's. The relay
 carries only the control messages (``relay.weights``); the weights never pass the proxy.
 """
 
