@@ -57,12 +57,12 @@ class WeightLoader(Protocol):
     """An engine that can replace its weights in place, in two steps so that a set of
     workers can load all or nothing: ``stage_weights`` reads and checks a checkpoint
     without serving it (it raises on anything wrong and then changes nothing),
-    ``commit_weights`` swaps it in (called only on an idle engine), ``discard_weights``
-    forgets a staged checkpoint."""
+    ``commit_weights`` swaps it in as ``version`` (called only on an idle engine),
+    ``discard_weights`` forgets a staged checkpoint."""
 
     async def stage_weights(self, path: str) -> None: ...
 
-    async def commit_weights(self) -> None: ...
+    async def commit_weights(self, version: int) -> None: ...
 
     async def discard_weights(self) -> None: ...
 
@@ -154,7 +154,7 @@ class VersionedEngine:
         if self._staged:
             assert isinstance(self.engine, WeightLoader)
             self._staged = False
-            await self.engine.commit_weights()
+            await self.engine.commit_weights(version)
         await self.resume(version)
 
     async def rollback(self) -> None:

@@ -317,7 +317,7 @@ class HFEngine:
         tensors = await loop.run_in_executor(self._executor, self._read_checkpoint, path)
         self._staged = tensors
 
-    async def commit_weights(self) -> None:
+    async def commit_weights(self, version: int) -> None:
         if self._staged is None:
             raise WeightsError("no checkpoint was staged")
         tensors, self._staged = self._staged, None
