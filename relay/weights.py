@@ -191,11 +191,13 @@ class WeightSync:
                     handles, protocol.Rollback(update.update_id), protocol.UpdatePhase.ROLLED_BACK
                 )
                 update.advance(UpdateState.ROLLED_BACK)
-                worker, reason = next(iter(failed.items()))
+                # A worker that said no explains more than one that did not answer.
+                refused = [w for w in failed if isinstance(answers[w], protocol.UpdateAck)]
+                worker = refused[0] if refused else next(iter(failed))
                 raise UpdateFailedError(
-                    "weights_load_failed",
-                    f"worker {worker} could not load weights version {update.version}: {reason}"
-                    " (every worker still serves the previous version)",
+                    "weights_load_failed" if refused else "update_timeout",
+                    f"worker {worker} could not load weights version {update.version}: "
+                    f"{failed[worker]} (every worker still serves the previous version)",
                 )
             update.advance(UpdateState.COMMITTING)
             answers = await self._phase(
@@ -243,6 +245,8 @@ class WeightSync:
         answers: Answers = {}
         if waits:
             await asyncio.wait(waits.values(), timeout=self.phase_seconds)
+        for handle in handles:  # an answer after the deadline is not awaited any more
+            handle.acks.pop((message.update_id, phase), None)
         for worker_id, ack in waits.items():
             if not ack.done():
                 ack.cancel()
