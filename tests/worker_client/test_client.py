@@ -26,6 +26,7 @@ from relay.pool import (
     RestartedEvent,
     ResumedEvent,
     TokensEvent,
+    WorkerId,
     WorkerPool,
 )
 from worker_client.backends.hf import HFEngine
@@ -462,7 +463,7 @@ async def test_an_update_whose_connection_ends_is_rolled_back(
     async with _running(client):
         await proxy.wait_for_workers(1, within_seconds=30)
         pool = proxy.app[POOL]
-        handle = pool.workers["w-update"]
+        handle = pool.workers[WorkerId("w-update")]
         await handle.link.send(handle.endpoint.update(protocol.Pause("u1")))
         engine = client.policy.engines[0]
         for _ in range(500):

@@ -97,11 +97,10 @@ async def test_a_checkpoint_the_engine_cannot_load_is_refused_and_rolled_back(
     await policy.pause("u1", PauseMode.WAIT)
     with pytest.raises(WeightsError, match="cannot load weights"):
         await policy.load("u1", 2, "/ckpt/2")
-    assert policy.state is UpdateState.PAUSED
-    assert policy.engines[0].state is PolicyState.PAUSED
+    assert (policy.state, policy.engines[0].state) == (UpdateState.PAUSED, PolicyState.PAUSED)
     await policy.rollback("u1")
     assert (policy.state, policy.update_id, policy.version) == (UpdateState.IDLE, None, 1)
-    assert policy.engines[0].state is PolicyState.SERVING
+    assert policy.engines[0].state == PolicyState.SERVING
     assert (await _reply(policy.engines[0], "after")).extra[POLICY_VERSION] == 1
     with pytest.raises(WeightsError):
         await policy.update(2, "/ckpt/2")

@@ -452,7 +452,8 @@ def _write_model(base: Path, out: Path, **config_changes: Any) -> Path:
     config = AutoConfig.from_pretrained(str(base))
     for key, value in config_changes.items():
         setattr(config, key, value)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model.save_pretrained(str(out))
     return out
 
 
