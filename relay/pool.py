@@ -206,6 +206,9 @@ class PoolStats:
     rejected_queue_full: int = 0
     rejected_wait_timeout: int = 0
     preempted: int = 0  # aborted by a weight update and continued on the new weights
+    updates_committed: int = 0  # weight updates every worker took
+    updates_rolled_back: int = 0  # weight updates a worker could not load: none took them
+    out_of_service: int = 0  # workers removed for not serving the current weights
 
 
 # --------------------------------------------------------------------------- events

@@ -191,6 +191,7 @@ class WeightSync:
                     handles, protocol.Rollback(update.update_id), protocol.UpdatePhase.ROLLED_BACK
                 )
                 update.advance(UpdateState.ROLLED_BACK)
+                self.pool.stats.updates_rolled_back += 1
                 # A worker that said no explains more than one that did not answer.
                 refused = [w for w in failed if isinstance(answers[w], protocol.UpdateAck)]
                 worker = refused[0] if refused else next(iter(failed))
@@ -207,6 +208,7 @@ class WeightSync:
             path = update.path or self.pool.weights_path
             self.pool.version, self.pool.weights_path = update.version, path
             update.advance(UpdateState.COMMITTED)
+            self.pool.stats.updates_committed += 1
             for handle in handles:
                 answer = answers.get(handle.worker_id)
                 if isinstance(answer, protocol.UpdateAck) and answer.ok:
@@ -261,6 +263,7 @@ class WeightSync:
 
     async def _out_of_service(self, handle: WorkerHandle, reason: str) -> None:
         log.error("worker %s taken out of service: %s", handle.worker_id, reason)
+        self.pool.stats.out_of_service += 1
         handle.state = WorkerState.OUT_OF_SERVICE
         with contextlib.suppress(ConnectionError, RuntimeError):
             await handle.link.close(f"out of service: {reason}")

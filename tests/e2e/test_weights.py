@@ -148,6 +148,16 @@ def _versions(export: dict[str, Any]) -> set[int]:
     }
 
 
+async def _metric(url: str, name: str) -> float:
+    """One sample of the proxy's /metrics (the first line that starts with ``name``)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
 async def _served_version(client: ProxyClient) -> int:
     return int((await client.weights())["version"])
 
@@ -286,6 +296,7 @@ async def test_bad_updates_are_refused_and_change_nothing(
     before = await client.weights()
     current = int(before["version"])
     serving = Path(before["path"]) if before["path"] else tiny_model_dir
+    rolled_back = await _metric(proxy.url, 'relay_weight_updates_total{outcome="rolled_back"}')
     async with aiohttp.ClientSession() as http:
         for case, body, status, code in _bad_updates(
             tmp_path, tiny_model_dir, checkpoints, current
@@ -297,6 +308,10 @@ async def test_bad_updates_are_refused_and_change_nothing(
             assert (response.status, payload["error"]["code"]) == (status, code), case
             assert payload["error"]["message"], case
             assert await client.weights() == before, case
+    # Each path that did not load was loaded by no worker: rolled back, counted.
+    after = await _metric(proxy.url, 'relay_weight_updates_total{outcome="rolled_back"}')
+    assert after == rolled_back + 4
+    assert await _metric(proxy.url, "relay_policy_version") == current
     _, export = await _turns(client, n=1, seed=21)
     assert _versions(export) == {current}
     assert check_fidelity(export, scorers[serving].score).max_abs_error <= 1e-4
@@ -444,7 +459,9 @@ async def test_abort_update_continues_a_streamed_reply_on_the_new_version(
     """An ``abort`` update in the middle of a stream stops the generation, serves the new
     version and continues the reply from the tokens already sampled: the agent gets one
     normal reply, the turn records exactly it, and its tokens carry both versions."""
+    preempted = await _metric(paced.url, "relay_requests_preempted_total")
     text, finish, report, export = await _stream_across_update(paced, "abort")
+    assert await _metric(paced.url, "relay_requests_preempted_total") == preempted + 1
     assert finish == "stop"
     (traj,) = export["trajectories"]
     (turn,) = traj["turns"]
