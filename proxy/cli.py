@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="openai backend: how the upstream server loads a new checkpoint on POST /weights "
         "(sglang: /update_weights_from_disk; vllm: its RL routes, VLLM_SERVER_DEV_MODE=1)",
     )
+    w.add_argument(
+        "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
+    )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument("--token", default=os.environ.get("RELAY_WORKER_TOKEN", ""))
     w.add_argument("--max-concurrency", type=int, default=8)
@@ -437,7 +440,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
     if args.backend == "hf":
         from worker_client.backends.hf import HFEngine
 
-        engine = HFEngine.load(args.model, name=args.name, logprobs_mode=mode)
+        engine = HFEngine.load(args.model, name=args.name, logprobs_mode=mode, device=args.device)
     elif args.backend == "instant":
         from worker_client.backends.instant import InstantEngine
 

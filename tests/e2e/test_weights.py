@@ -30,6 +30,7 @@ from sdk.exceptions import ProxyRequestError
 from sdk.fidelity import check_fidelity, check_fidelity_by_version
 from tests.e2e.conftest import TIMEOUT_FACTOR, worker_command
 from worker_client.backends.hf import HFEngine
+from worker_client.checkpoints import perturbed_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -38,19 +39,8 @@ LATE = "a-late"  # joins later; idle ties go to the smaller id, so new trials st
 
 
 def write_checkpoint(base: Path, out: Path, seed: int) -> Path:
-    """The base model with every parameter moved by seeded noise, saved as a trainer
-    saves a checkpoint (``save_pretrained``: config and safetensors, no tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            parameter.add_(noise * 0.2 * (parameter.std() if parameter.numel() > 1 else 1.0))
-    model.save_pretrained(str(out))
-    return out
+    """A new policy version of the base model, saved as a trainer saves a checkpoint."""
+    return perturbed_checkpoint(base, out, seed=seed)
 
 
 @pytest.fixture(scope="module")

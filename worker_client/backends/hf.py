@@ -61,8 +61,10 @@ class HFEngine:
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         prefill_chunk: int = 2048,
         cache_entries: int = 4,
+        device: str = "cpu",
     ) -> None:
         self.model = model
+        self.device = device
         self._card = ModelCard(name, max_model_len, logprobs_mode, "hf")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
@@ -87,7 +89,10 @@ class HFEngine:
         name: str | None = None,
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         max_model_len: int | None = None,
+        device: str = "cpu",
     ) -> HFEngine:
+        """Load a Hugging Face causal-LM directory in float32 on ``device`` (``cpu``,
+        ``cuda``, ``cuda:1``, ...)."""
         try:
             import torch
             from transformers import AutoModelForCausalLM
@@ -97,6 +102,10 @@ class HFEngine:
         if not (path / "config.json").is_file():
             raise EngineUnavailableError(f"{path} is not a Hugging Face model directory")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as exc:  # no such device, or no CUDA build
+            raise EngineUnavailableError(f"the hf backend cannot use {device!r}: {exc}") from None
         model.eval()  # type: ignore[no-untyped-call]
         eos: list[int] = []
         generation = path / "generation_config.json"
@@ -112,6 +121,7 @@ class HFEngine:
             max_model_len=window,
             eos_token_ids=eos,
             logprobs_mode=logprobs_mode,
+            device=device,
         )
 
     @property
@@ -136,7 +146,9 @@ class HFEngine:
         logits = None
         with torch.inference_mode():
             for start in range(0, len(ids), self.prefill_chunk):
-                chunk = torch.tensor([list(ids[start : start + self.prefill_chunk])])
+                chunk = torch.tensor(
+                    [list(ids[start : start + self.prefill_chunk])], device=self.device
+                )
                 out = self._run(chunk, cache)
                 logits = out.logits[0, -1].float()
         return logits
@@ -224,7 +236,7 @@ class HFEngine:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
                 entry = await loop.run_in_executor(self._executor, self._prefill, list(prompt_ids))
-                generator = torch.Generator()
+                generator = torch.Generator(device=self.device)
                 if sampling.seed is not None:
                     generator.manual_seed(sampling.seed)
                 else:
@@ -345,13 +357,13 @@ class HFEngine:
         with torch.inference_mode():
             for start in range(0, len(ids) - 1, self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(ids) - 1)
-                chunk = torch.tensor([ids[start:end]])
+                chunk = torch.tensor([ids[start:end]], device=self.device)
                 logits = self._run(chunk, cache).logits[0]
                 if end <= first:
                     continue
                 lo = max(first, start)
                 logprobs = torch.log_softmax(logits[lo - start :].float(), dim=-1)
-                targets = torch.tensor(ids[lo + 1 : end + 1])
+                targets = torch.tensor(ids[lo + 1 : end + 1], device=self.device)
                 out.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
         return out
 
