@@ -360,15 +360,24 @@ class _UpdateDriver:
                 self.started.discard(update_id)
             else:
                 phase = protocol.UpdatePhase.ROLLED_BACK
-                await self.policy.rollback(update_id)
                 self.started.discard(update_id)
+                await self.policy.rollback(update_id)
                 version = self.policy.version
         except Exception as exc:  # answered, never raised: the proxy decides what follows
+            if self._finished(update_id, phase):
+                return
             if not isinstance(exc, WeightsError):
                 log.exception("weight update %s failed", update_id)
             self._send(protocol.UpdateAck(update_id, phase, False, self.policy.version, str(exc)))
             return
-        self._send(protocol.UpdateAck(update_id, phase, True, version))
+        if not self._finished(update_id, phase):
+            self._send(protocol.UpdateAck(update_id, phase, True, version))
+
+    def _finished(self, update_id: str, phase: protocol.UpdatePhase) -> bool:
+        """Whether a pause ended after its update was rolled back (the proxy gave up
+        waiting for it): the proxy has forgotten the update, so an answer would be a
+        protocol error."""
+        return phase is protocol.UpdatePhase.PAUSED and update_id not in self.started
 
     def _send(self, message: protocol.UpdateAck | protocol.Weights) -> None:
         if self.endpoint.state is protocol.ConnectionState.OPEN:

@@ -137,8 +137,13 @@ class VersionedEngine:
             for request_id in running:
                 await self.engine.abort(request_id)
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._running)
-            self.state = PolicyState.PAUSED
+            # A resume while running requests drain (the update was rolled back) ends the
+            # pause: the engine serves on rather than staying paused for nobody.
+            await self._changed.wait_for(
+                lambda: not self._running or self.state is PolicyState.SERVING
+            )
+            if self.state is PolicyState.PAUSING:
+                self.state = PolicyState.PAUSED
 
     async def load(self, path: str | None) -> None:
         """Read and check the checkpoint at ``path`` (None: nothing to load)."""
@@ -227,6 +232,8 @@ class WorkerPolicy:
             self.state = UpdateState.PAUSED
         abort = mode is PauseMode.ABORT
         await asyncio.gather(*(e.pause(abort_in_flight=abort) for e in self.engines))
+        if self.update_id != update_id:
+            raise WeightsError(f"update {update_id!r} was rolled back while pausing")
 
     async def load(self, update_id: str, version: int, path: str | None) -> None:
         """Phase 2: read and check ``path`` on every engine; nothing is served from it yet.
