@@ -31,6 +31,7 @@ tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -104,15 +105,19 @@ class VersionedEngine:
             await self._changed.wait_for(lambda: self.state is PolicyState.SERVING)
             self._running.add(request_id)
             version = self.version
+        # aclosing: when this stream is closed, the engine's is closed now too (an engine may
+        # hold a lock or a slot across its yields), not later by the garbage collector.
+        stream = self.engine.generate(request_id, prompt_ids, sampling)
         try:
-            async for chunk in self.engine.generate(request_id, prompt_ids, sampling):
-                if chunk.finish_reason is not None:
-                    chunk.extra.setdefault(POLICY_VERSION, version)
-                    if chunk.finish_reason is FinishReason.ABORT and (
-                        request_id in self._preempted
-                    ):
-                        chunk.extra[PREEMPTED] = 1
-                yield chunk
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    if chunk.finish_reason is not None:
+                        chunk.extra.setdefault(POLICY_VERSION, version)
+                        if chunk.finish_reason is FinishReason.ABORT and (
+                            request_id in self._preempted
+                        ):
+                            chunk.extra[PREEMPTED] = 1
+                    yield chunk
         finally:
             async with self._changed:
                 self._running.discard(request_id)
