@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from proxy.appkeys import POOL
+from proxy.appkeys import POOL, WEIGHTS
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from relay import protocol
-from relay.exceptions import RelayError, WorkerFailedError
+from relay.exceptions import RelayError, UpdateFailedError, WorkerFailedError
 from relay.pool import (
     FinishedEvent,
     RelayCall,
@@ -481,3 +481,39 @@ async def test_an_update_whose_connection_ends_is_rolled_back(
         await proxy.wait_for_workers(1, within_seconds=30)
         _, _, finished = await _generate(pool, "instant", prompt, max_tokens=4)
         assert finished.extra[protocol.POLICY_VERSION] == 0
+
+
+async def test_a_pause_that_outlasts_its_update_stays_quiet_and_serving(
+    proxy: RunningProxy, tiny_model_dir: Path, prompt: list[int]
+) -> None:
+    """A wait-mode pause that takes longer than the proxy waits is rolled back by the
+    proxy; when the running request then finishes, the worker neither answers the
+    forgotten update (a protocol error that would drop the connection) nor stays paused:
+    the same connection serves the next request on the old version."""
+    slow = InstantEngine.load(tiny_model_dir, name="slow", reply_tokens=12, tokens_per_second=8)
+    client = WorkerClient(
+        proxy.worker_url,
+        {"slow": ServedModel(slow, tiny_model_dir)},
+        token=TOKEN,
+        worker_id="w-slow",
+    )
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        handle = pool.workers[WorkerId("w-slow")]
+        running = asyncio.create_task(_generate(pool, "slow", prompt, max_tokens=12))
+        await asyncio.sleep(0.2)
+        sync = proxy.app[WEIGHTS]
+        sync.phase_seconds = 0.3
+        with pytest.raises(UpdateFailedError) as failed:
+            await sync.update(1)
+        assert failed.value.code == "update_timeout"
+        tokens, _, finished = await running
+        assert (len(tokens), finished.finish_reason) == (12, "stop")
+        await asyncio.sleep(0.3)  # time for a stray answer to arrive
+        assert pool.workers.get(WorkerId("w-slow")) is handle
+        engine = client.policy.engines[0]
+        assert (client.policy.state, engine.state) == (UpdateState.IDLE, PolicyState.SERVING)
+        _, _, again = await _generate(pool, "slow", prompt, max_tokens=2)
+        assert again.extra[protocol.POLICY_VERSION] == 0
+        assert pool.workers.get(WorkerId("w-slow")) is handle

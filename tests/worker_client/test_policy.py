@@ -190,3 +190,36 @@ async def test_an_abort_mode_pause_marks_its_replies_preempted(tiny_model_dir: P
     last = await asyncio.wait_for(running, 5)
     assert last.finish_reason is FinishReason.ABORT
     assert PREEMPTED not in last.extra
+
+
+async def test_a_rollback_while_requests_drain_ends_the_pause(tiny_model_dir: Path) -> None:
+    """An update rolled back before its pause finished draining (the proxy stopped
+    waiting) leaves the engine serving, not paused for nobody: the pause reports it, and
+    new requests run on the old version."""
+    policy = _policy(tiny_model_dir)
+    engine = policy.engines[0]
+    running = await _started(engine, "r1")
+    pausing = asyncio.create_task(policy.pause("u1", PauseMode.WAIT))
+    await asyncio.sleep(0.01)
+    assert engine.state == PolicyState.PAUSING
+    await policy.rollback("u1")
+    assert (await asyncio.wait_for(running, 5)).finish_reason is FinishReason.STOP
+    with pytest.raises(WeightsError, match="rolled back"):
+        await asyncio.wait_for(pausing, 5)
+    assert (policy.state, engine.state) == (UpdateState.IDLE, PolicyState.SERVING)
+    last = await asyncio.wait_for(_reply(engine, "after"), 5)
+    assert last.extra[POLICY_VERSION] == 1
+
+
+async def test_closing_a_reply_closes_the_engines_at_once(tiny_model_dir: Path) -> None:
+    """A consumer that stops reading and closes the stream finishes the engine's request
+    now (it may hold a slot or a lock), not when the garbage collector gets to it."""
+    engine = _engine(tiny_model_dir, tokens_per_second=200.0)
+    inner = engine.engine
+    assert isinstance(inner, InstantEngine)
+    stream = engine.generate("r1", [1, 2, 3], SAMPLING)
+    await anext(stream)
+    assert inner._running == {"r1"}
+    await stream.aclose()
+    assert inner._running == set()
+    assert engine.in_flight == 0
