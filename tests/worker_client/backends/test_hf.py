@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.e2e.test_weights import write_checkpoint
 from worker_client.backends.hf import HFEngine
+from worker_client.checkpoints import perturbed_checkpoint
 from worker_client.engine import FinishReason, LogprobsMode, SamplingParams, TokenChunk
 from worker_client.exceptions import (
     EngineError,
@@ -459,7 +459,7 @@ def _write_model(base: Path, out: Path, **config_changes: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "step-1", seed=1)
+    return perturbed_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "step-1", seed=1)
 
 
 @pytest.fixture
