@@ -305,6 +305,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("-v", "--verbose", action="store_true", help="log to the console, not to a file")
 
+    tr = sub.add_parser(
+        "train",
+        help="train the tiny model with TRL's GRPOTrainer through the proxy and real agents",
+    )
+    tr.add_argument("--model", type=Path, default=None, help="model dir (default: tiny model)")
+    tr.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    tr.add_argument(
+        "--out", type=Path, default=Path(".cache/train"), help="plot, figures and checkpoints"
+    )
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--learning-rate", type=float, default=1e-3)
+    tr.add_argument("--generations", type=int, default=8, help="episodes per prompt (a group)")
+    tr.add_argument("--prompts-per-step", type=int, default=2)
+    tr.add_argument(
+        "--torch-threads", type=int, default=1, help="torch's intra-op threads (tiny model: 1)"
+    )
+    tr.add_argument(
+        "-v", "--verbose", action="store_true", help="log to the console, not to a file"
+    )
+
     ts = sub.add_parser(
         "task-server",
         help="run Harbor-format tasks as local processes behind the run-submission API",
@@ -543,6 +563,49 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from proxy.demo import log_to_file
+    from proxy.train import run_train
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    for flag, value in (
+        ("--steps", args.steps),
+        ("--generations", args.generations - 1),
+        ("--prompts-per-step", args.prompts_per_step),
+        ("--torch-threads", args.torch_threads),
+    ):
+        if value < 1:
+            print(f"rollout-relay train: {flag} is too small", file=sys.stderr)
+            return 2
+    if args.learning_rate <= 0:
+        print("rollout-relay train: --learning-rate must be positive", file=sys.stderr)
+        return 2
+    say("rollout-relay train: TRL's GRPOTrainer trains a policy through the proxy (CPU)")
+    if not args.verbose:
+        log_file = Path(tempfile.gettempdir()) / "rollout-relay-train.log"
+        log_to_file(log_file)
+        say(f"  (the proxy's, worker's and trainer's logs: {log_file}; -v shows them here)")
+    model = ensure_tiny_model(args.model, say)
+    say(f"[1/3] model: {model} (the workers' version 0 and the trainer's start)")
+    try:
+        return run_train(
+            model,
+            args.out,
+            steps=args.steps,
+            seed=args.seed,
+            learning_rate=args.learning_rate,
+            generations=args.generations,
+            prompts_per_step=args.prompts_per_step,
+            torch_threads=args.torch_threads,
+            say=say,
+        )
+    except KeyboardInterrupt:
+        say("stopped")
+        return 130
+
+
 def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:
     """The proxy's settings with its credentials; None (after saying why) when it must
     not start: tokens missing without an explicit --no-auth."""
@@ -609,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             return _task_server(args)
         elif args.command == "demo":
             return _demo(args)
+        elif args.command == "train":
+            return _train(args)
     except KeyboardInterrupt:
         return 130
     except ConfigurationError as exc:
