@@ -104,7 +104,11 @@ async def tool_agent(spec: RunSpec, settings: AgentSettings) -> Mapping[str, flo
     """One episode: the question, then model calls with tools until a plain reply or
     ``settings.turns`` calls; the tools run on a scratch workspace that is only read."""
     question = (spec.task / "instruction.md").read_text().strip()
-    client = AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0)
+    # One timeout for connecting too: the client's default 5 s to connect is short for a
+    # loopback on two cores shared with the trainer.
+    client = AsyncOpenAI(
+        base_url=spec.base_url, api_key=spec.api_key, max_retries=0, timeout=spec.timeout_seconds
+    )
     called: list[str] = []
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a careful assistant with tools."},
@@ -294,7 +298,7 @@ def train(
         server,
         AgentLoopConfig(
             agent="tool-agent",
-            max_attempts=1,
+            max_attempts=2,  # a failed episode is run again on a fresh trial
             branch_policy=BranchPolicy.LONGEST,
             reward_key="reward",
             retry_without_reward=False,

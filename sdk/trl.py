@@ -299,13 +299,20 @@ class RelayRollout:
     # ------------------------------------------------------------------ rollout
 
     async def _episodes(self, prompts: Sequence[Any]) -> list[RolloutResult]:
+        """One episode per prompt; a task that fails every attempt fails the batch, and
+        the episodes still running are cancelled (their agents with them)."""
         slots = asyncio.Semaphore(self.max_concurrent)
 
         async def one(prompt: Any) -> RolloutResult:
             async with slots:
                 return await self.agent_loop.run(self.task_of(prompt))
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(p)) for p in prompts]
+        except ExceptionGroup as errors:  # the first failure, as agent_loop.run raised it
+            raise errors.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         push = self.sync_weights(trainer)

@@ -4,6 +4,7 @@ a real model, so that the step can be moved by hand)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,10 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop
 from sdk.client import ProxyClient
+from sdk.exceptions import RemoteAgentLoopError
 from sdk.samples import BranchPolicy
 from sdk.taskserver.base import RunSpec
-from sdk.taskserver.inprocess import InProcessTaskServer
+from sdk.taskserver.inprocess import AgentFn, InProcessTaskServer
 from sdk.trl import (
     BackgroundLoop,
     RelayRollout,
@@ -104,7 +106,7 @@ class TwoCallAgent:
         return {"reward": reward}
 
 
-def _rollout(stack: Stack, agent: TwoCallAgent, checkpoints: Path, **kwargs: Any) -> RelayRollout:
+def _rollout(stack: Stack, agent: AgentFn, checkpoints: Path, **kwargs: Any) -> RelayRollout:
     loop = RemoteAgentLoop(
         stack.proxy,
         InProcessTaskServer(agent),
@@ -250,3 +252,27 @@ def test_weights_are_pushed_once_per_step_before_sampling(
     trainer.state.global_step = 2
     with pytest.raises(ValueError, match="only increase"):
         rollout(prompts, trainer)
+
+
+def test_a_failed_episode_fails_the_batch_and_stops_the_others(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A task that fails every attempt raises the agent loop's error to the trainer, and
+    the episodes still running are cancelled rather than left behind."""
+    cancelled: list[str] = []
+
+    async def agent(spec: RunSpec) -> Mapping[str, float]:
+        if spec.task.name == "bad":
+            raise RuntimeError("the sandbox broke")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(spec.task.name)
+            raise
+        return {"reward": 1.0}
+
+    rollout = _rollout(relay, agent, tmp_path / "checkpoints")
+    with pytest.raises(RemoteAgentLoopError, match="the sandbox broke"):
+        rollout(["slow-1", "bad", "slow-2"], _trainer(tiny_model_dir))
+    assert sorted(cancelled) == ["slow-1", "slow-2"]
+    assert rollout.history == []
