@@ -570,14 +570,15 @@ def _train(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(line, flush=True)
 
-    for flag, value in (
-        ("--steps", args.steps),
-        ("--generations", args.generations - 1),
-        ("--prompts-per-step", args.prompts_per_step),
-        ("--torch-threads", args.torch_threads),
+    # GRPO compares the episodes of a group: two at least.
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--generations", args.generations, 2),
+        ("--prompts-per-step", args.prompts_per_step, 1),
+        ("--torch-threads", args.torch_threads, 1),
     ):
-        if value < 1:
-            print(f"rollout-relay train: {flag} is too small", file=sys.stderr)
+        if value < least:
+            print(f"rollout-relay train: {flag} must be at least {least}", file=sys.stderr)
             return 2
     if args.learning_rate <= 0:
         print("rollout-relay train: --learning-rate must be positive", file=sys.stderr)
