@@ -19,8 +19,9 @@ The prompt is a task reference: ``task_of(prompt)`` gives the task handed to the
 loop (by default the prompt itself, a task directory). TRL passes nothing but the prompts
 to a ``rollout_func``, so the dataset's ``prompt`` column names the task.
 
-Weights: the worker must sample step N's batch with the weights of step N. At the start
-of every call, when ``trainer.state.global_step`` has moved since the last push, the
+Weights: the worker must sample step N's batch with the weights of step N. The first call
+asks the proxy which version it serves (``GET /weights``); at the start of every call,
+when ``trainer.state.global_step`` has moved past the served version, the
 trainer's model is saved to ``<checkpoint_dir>/step-<N>`` (a fresh directory, written
 atomically) and the proxy is told to serve it (``POST /weights`` with version N) before
 anything is sampled. Version 0 is the weights the workers started with, which must be the
@@ -243,7 +244,8 @@ class RelayRollout:
     keep_checkpoints: int = 2
     measure_gap: bool = False
     on_batch: Callable[[RolloutBatch], None] | None = None
-    served_version: int = 0
+    # The version the workers serve; None until the proxy has been asked (first call).
+    served_version: int | None = None
     history: list[RolloutBatch] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -264,6 +266,11 @@ class RelayRollout:
     def sync_weights(self, trainer: Any) -> WeightPush | None:
         """Push the trainer's weights when its step moved since the served version."""
         step = int(trainer.state.global_step)
+        if self.served_version is None:
+            # A proxy that already serves a later version (another run's) refuses this
+            # run's versions rather than sampling with weights the trainer never had.
+            current = self.loop.run(self.proxy.weights())
+            self.served_version = int(current["version"])
         if not needs_push(self.served_version, step):
             return None
         started = time.monotonic()
@@ -319,6 +326,7 @@ class RelayRollout:
         started = time.monotonic()
         results = self.loop.run(self._episodes(prompts))
         samples = [result.samples[0] for result in results]
+        assert self.served_version is not None  # sync_weights asked the proxy
         batch = RolloutBatch(
             step=self.served_version,
             results=results,

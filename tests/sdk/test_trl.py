@@ -276,3 +276,20 @@ def test_a_failed_episode_fails_the_batch_and_stops_the_others(
         rollout(["slow-1", "bad", "slow-2"], _trainer(tiny_model_dir))
     assert sorted(cancelled) == ["slow-1", "slow-2"]
     assert rollout.history == []
+
+
+def test_a_proxy_ahead_of_the_trainer_is_refused_not_sampled(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The first call asks the proxy its version: a trainer behind it gets an error before
+    anything is sampled; a trainer at that step samples with it without pushing."""
+    relay.loop.run(relay.proxy.update_weights(2, path=str(tiny_model_dir)))
+    rollout = _rollout(relay, TwoCallAgent(), tmp_path / "checkpoints")
+    trainer = _trainer(tiny_model_dir)
+    with pytest.raises(ValueError, match="only increase"):
+        rollout(["task-a"], trainer)
+    assert rollout.history == []
+    trainer.state.global_step = 2
+    rollout(["task-a", "task-a"], trainer)
+    assert rollout.history[-1].push is None
+    assert rollout.history[-1].versions == [2]
