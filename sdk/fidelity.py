@@ -7,7 +7,7 @@ the check a trainer relies on: if it holds, the PPO ratio at the first step is e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,9 @@ def check_fidelity(export: dict[str, Any], score: Scorer) -> FidelityReport:
     return FidelityReport(len(trajectories), sampled, worst, where)
 
 
-def check_fidelity_by_version(export: dict[str, Any], scorers: dict[int, Scorer]) -> FidelityReport:
+def check_fidelity_by_version(
+    export: dict[str, Any], scorers: Mapping[int, Scorer]
+) -> FidelityReport:
     """``check_fidelity`` for trajectories sampled by several policy versions: each sampled
     token is scored by the model of the version that sampled it (``response_versions``);
     ``scorers`` maps a version to its model's scorer."""

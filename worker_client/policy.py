@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "POLICY_VERSION",
     "PolicyState",
+    "StagedPath",
     "UpdateState",
     "VersionedEngine",
     "WeightLoader",
@@ -66,6 +67,23 @@ class WeightLoader(Protocol):
     async def commit_weights(self, version: int) -> None: ...
 
     async def discard_weights(self) -> None: ...
+
+
+class StagedPath:
+    """For engines whose server reads the checkpoint itself when the update commits
+    (vLLM's reload, an upstream's update route): staging keeps the checked path, commit
+    takes it, discarding forgets it."""
+
+    _staged: str | None = None
+
+    def _take_staged(self) -> str:
+        path, self._staged = self._staged, None
+        if path is None:
+            raise WeightsError("no checkpoint was staged")
+        return path
+
+    async def discard_weights(self) -> None:
+        self._staged = None
 
 
 class PolicyState(enum.Enum):

@@ -230,6 +230,18 @@ SESSION_CREDENTIALS = {
     "admin_token": 0,  # the route's success status
 }
 
+
+def _presented(case: str, trial: TrialSession) -> dict[str, str]:
+    """The headers of one SESSION_CREDENTIALS case."""
+    return {
+        "none": {},
+        "unknown": {"Authorization": "Bearer nope"},
+        "trial_key": {"Authorization": f"Bearer {trial.api_key}"},
+        "worker_token": {"Authorization": f"Bearer {WORKER}"},
+        "admin_token": {"Authorization": f"Bearer {ADMIN}"},
+    }[case]
+
+
 # name, method, path (with {trial}), body, success status
 SESSION_ROUTES: list[tuple[str, str, str, Any, int]] = [
     ("create", "POST", "/sessions", {}, 201),
@@ -255,13 +267,7 @@ async def test_session_api_auth_matrix(
     session) or the worker token is a 403; refusals change nothing."""
     trial = await admin.create_session()
     _, method, path, body, success = route
-    headers = {
-        "none": {},
-        "unknown": {"Authorization": "Bearer nope"},
-        "trial_key": {"Authorization": f"Bearer {trial.api_key}"},
-        "worker_token": {"Authorization": f"Bearer {WORKER}"},
-        "admin_token": {"Authorization": f"Bearer {ADMIN}"},
-    }[case]
+    headers = _presented(case, trial)
     before = (await admin.list_sessions(limit=1000))["sessions"]
     url = secured.running.url + path.format(trial=trial.trial_id)
     status, payload = await _call(http, method, url, headers, body)
@@ -294,13 +300,7 @@ async def test_weights_api_auth_matrix(
     """Only the admin token reads or updates the weights; a trial's key or the worker
     token is a 403, no credential a 401, and a refused update changes no version."""
     trial = await admin.create_session()
-    headers = {
-        "none": {},
-        "unknown": {"Authorization": "Bearer nope"},
-        "trial_key": {"Authorization": f"Bearer {trial.api_key}"},
-        "worker_token": {"Authorization": f"Bearer {WORKER}"},
-        "admin_token": {"Authorization": f"Bearer {ADMIN}"},
-    }[case]
+    headers = _presented(case, trial)
     before = await admin.weights()
     body = {"version": before["version"] + 1} if method == "POST" else None
     status, payload = await _call(http, method, secured.running.url + "/weights", headers, body)

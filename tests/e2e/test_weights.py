@@ -138,6 +138,16 @@ def _versions(export: dict[str, Any]) -> set[int]:
     }
 
 
+async def _served_by(
+    client: ProxyClient, worker_id: str, version: int, scorer: HFEngine, *, seed: int
+) -> None:
+    """A new trial's turn is served by ``worker_id`` with ``version``'s weights."""
+    _, export = await _turns(client, n=1, seed=seed)
+    assert {t["worker_id"] for tr in export["trajectories"] for t in tr["turns"]} == {worker_id}
+    assert _versions(export) == {version}
+    assert check_fidelity(export, scorer.score).max_abs_error <= 1e-4
+
+
 async def _metric(url: str, name: str) -> float:
     """One sample of the proxy's /metrics (the first line that starts with ``name``)."""
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
@@ -326,20 +336,14 @@ async def test_late_and_reconnecting_workers_load_the_current_weights(
         workers = {w["worker_id"]: w for w in (await client.weights())["workers"]}
         assert workers[LATE]["version"] == version
         assert workers[LATE]["path"] == str(checkpoints[1])
-        _, export = await _turns(client, n=1, seed=31)
-        assert {t["worker_id"] for tr in export["trajectories"] for t in tr["turns"]} == {LATE}
-        assert _versions(export) == {version}
-        assert check_fidelity(export, scorers[checkpoints[1]].score).max_abs_error <= 1e-4
+        await _served_by(client, LATE, version, scorers[checkpoints[1]], seed=31)
 
         old = proxy.app[POOL].workers[LATE]  # type: ignore[index]
         late.send_signal(signal.SIGKILL)
         late.wait()
         late = _start_worker(proxy, tiny_model_dir, LATE)  # the same id, a fresh process
         await _joined(proxy, late, LATE, old=old)
-        _, export = await _turns(client, n=1, seed=32)
-        assert {t["worker_id"] for tr in export["trajectories"] for t in tr["turns"]} == {LATE}
-        assert _versions(export) == {version}
-        assert check_fidelity(export, scorers[checkpoints[1]].score).max_abs_error <= 1e-4
+        await _served_by(client, LATE, version, scorers[checkpoints[1]], seed=32)
     finally:
         late.kill()
         late.wait()

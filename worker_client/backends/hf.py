@@ -103,7 +103,7 @@ class HFEngine:
             raise EngineUnavailableError(f"{path} is not a Hugging Face model directory")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         try:
-            model.to(device)
+            model.to(torch.device(device))  # type: ignore[arg-type]  # transformers wraps .to
         except (RuntimeError, AssertionError) as exc:  # no such device, or no CUDA build
             raise EngineUnavailableError(f"the hf backend cannot use {device!r}: {exc}") from None
         model.eval()  # type: ignore[no-untyped-call]

@@ -52,6 +52,7 @@ from worker_client.exceptions import (
     PromptTooLongError,
     WeightsError,
 )
+from worker_client.policy import StagedPath
 
 BACKEND = "openai"
 WEIGHTS_APIS = ("sglang", "vllm")
@@ -111,7 +112,7 @@ def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
     return TokenChunk([int(t) for t in token_ids], [float(lp) for lp in logprobs or []], finish)
 
 
-class OpenAIEngine:
+class OpenAIEngine(StagedPath):
     def __init__(
         self,
         base_url: str,
@@ -127,7 +128,6 @@ class OpenAIEngine:
                 f"weights_api must be one of {', '.join(WEIGHTS_APIS)}, not {weights_api!r}"
             )
         self.weights_api = weights_api
-        self._staged: str | None = None
         self.base_url = base_url.rstrip("/")
         self._card = card
         self.upstream_model = upstream_model
@@ -239,13 +239,8 @@ class OpenAIEngine:
             raise WeightsError(f"{path} is not a Hugging Face model directory (no config.json)")
         self._staged = path
 
-    async def discard_weights(self) -> None:
-        self._staged = None
-
     async def commit_weights(self, version: int) -> None:
-        path, self._staged = self._staged, None
-        if path is None:
-            raise WeightsError("no checkpoint was staged")
+        path = self._take_staged()
         if self.weights_api == "sglang":
             answer = await self._admin(
                 "POST",

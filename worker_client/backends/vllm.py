@@ -43,6 +43,7 @@ from worker_client.engine import (
     check_prompt,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
+from worker_client.policy import StagedPath
 
 BACKEND = "vllm"
 
@@ -140,13 +141,12 @@ def _finish_reason(reason: str | None, output: Any) -> FinishReason | None:
         ) from None
 
 
-class VLLMEngine:
+class VLLMEngine(StagedPath):
     """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
 
     def __init__(self, llm: Any, card: ModelCard) -> None:
         self._llm = llm
         self._card = card
-        self._staged: str | None = None
 
     @classmethod
     def load(
@@ -243,13 +243,8 @@ class VLLMEngine:
         await asyncio.to_thread(check_checkpoint, path, served)
         self._staged = path
 
-    async def discard_weights(self) -> None:
-        self._staged = None
-
     async def commit_weights(self, version: int) -> None:
-        path, self._staged = self._staged, None
-        if path is None:
-            raise WeightsError("no checkpoint was staged")
+        path = self._take_staged()
         llm = self._llm
         try:
             await llm.pause_generation(mode="abort", clear_cache=True)

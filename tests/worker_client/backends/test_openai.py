@@ -32,6 +32,30 @@ from worker_client.exceptions import EngineError, WeightsError
 PROMPT = [5, 17, 42, 9, 3]
 
 
+async def stream_completion(
+    request: web.Request,
+    engine: HFEngine,
+    request_id: str,
+    prompt: list[int],
+    sampling: SamplingParams,
+) -> web.StreamResponse:
+    """A streamed ``/v1/completions`` answer as vLLM writes it with ``return_token_ids``:
+    one chunk per engine step with the sampled ids and their logprobs."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    async for chunk in engine.generate(request_id, prompt, sampling):
+        choice = {
+            "index": 0,
+            "text": "",
+            "token_ids": chunk.token_ids,
+            "logprobs": {"token_logprobs": chunk.logprobs},
+            "finish_reason": chunk.finish_reason.value if chunk.finish_reason else None,
+        }
+        await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir: Path) -> HFEngine:
     return HFEngine.load(tiny_model_dir)
@@ -54,19 +78,7 @@ async def upstream(hf: HFEngine) -> AsyncIterator[tuple[str, list[dict[str, Any]
             seed=body.get("seed"),
             stop_token_ids=tuple(body.get("stop_token_ids", ())),
         )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        async for chunk in hf.generate("up", body["prompt"], sampling):
-            choice = {
-                "index": 0,
-                "text": "",
-                "token_ids": chunk.token_ids,
-                "logprobs": {"token_logprobs": chunk.logprobs},
-                "finish_reason": chunk.finish_reason.value if chunk.finish_reason else None,
-            }
-            await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await stream_completion(request, hf, "up", body["prompt"], sampling)
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -216,18 +228,9 @@ class UpdatableUpstream:
             seed=body.get("seed"),
             stop_token_ids=tuple(body.get("stop_token_ids", ())),
         )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        async for chunk in self.engine.generate(str(id(request)), body["prompt"], sampling):
-            choice = {
-                "index": 0,
-                "token_ids": chunk.token_ids,
-                "logprobs": {"token_logprobs": chunk.logprobs},
-                "finish_reason": chunk.finish_reason.value if chunk.finish_reason else None,
-            }
-            await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await stream_completion(
+            request, self.engine, str(id(request)), body["prompt"], sampling
+        )
 
     async def _load(self, path: str) -> str | None:
         """Load ``path``; the reason it did not load, or None."""
