@@ -39,7 +39,8 @@ demo: setup
 	$(BIN)/rollout-relay demo
 
 # TRL's GRPOTrainer trains the tiny model through the proxy and real agents, the weights
-# pushed to the worker after every step (~6 min on 2 cores); plot and figures in .cache/train.
+# pushed to the worker after every step: ~3 min on 2 cores (~7 min the first time, with
+# setup and the tiny model); the plot and the figures in .cache/train.
 train: setup
 	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
 	$(BIN)/rollout-relay train

@@ -6,7 +6,8 @@ in-process by ``sdk.taskserver.inprocess``) may call the four tools the tiny mod
 (``bash``, ``read_file``, ``search``, ``write_file``). The reward is what the agent did
 through the API: 1.0 when it called ``read_file``, the tool made for the question, 0.0
 otherwise. The untrained tiny model calls one of the offered tools about half the time,
-``read_file`` in a few episodes out of ten; GRPO on those episodes teaches it to pick it.
+``read_file`` in about four episodes out of ten; GRPO on those episodes teaches it to
+pick it (about nine out of ten after 40 steps).
 
 Each step: the trainer's weights are pushed (``POST /weights``, version = step), one
 episode per prompt runs through the proxy, the recorded logprobs of every sampled token
