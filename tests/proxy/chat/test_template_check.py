@@ -60,5 +60,9 @@ async def test_admitting_a_model_logs_and_keeps_its_check(
         await registry.admit(protocol.Hello(protocol.PROTOCOL_VERSION, "w", "t", [info]))
     served = registry.models["tiny"]
     assert [r.result for r in served.template_check] == ["continued"] * len(SHAPES)
+    assert served.tools_check is not None
+    assert served.tools_check.result == "rendered"
     (line,) = [r.getMessage() for r in caplog.records if "template check" in r.getMessage()]
-    assert line.startswith("model tiny (tool calls: hermes): template check: tool_call continued")
+    assert line.startswith(
+        "model tiny (tool calls: hermes): template check: tools rendered; tool_call continued"
+    )
