@@ -49,12 +49,20 @@ TOKENIZER_FILES = (
 )
 
 
-def collect_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
-    """Read the tokenizer-related files of a Hugging Face model directory."""
+def collect_tokenizer_files(
+    model_dir: str | Path, chat_template: str | Path | None = None
+) -> dict[str, bytes]:
+    """Read the tokenizer-related files of a Hugging Face model directory. A given
+    ``chat_template`` file (e.g. a tool-aware one for a model whose own template ignores
+    tools) replaces the model's template: it is shipped as ``chat_template.jinja``, which
+    the proxy's loader prefers to a template inside ``tokenizer_config.json``."""
     root = Path(model_dir)
     files = {
         name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()
     }
+    if chat_template is not None:
+        files.pop("chat_template.json", None)
+        files["chat_template.jinja"] = Path(chat_template).read_bytes()
     if (
         "tokenizer.json" not in files
         and "tokenizer.model" not in files
@@ -85,6 +93,7 @@ def backoff_delay(
 class ServedModel:
     engine: Engine
     tokenizer_dir: Path
+    chat_template: Path | None = None  # replaces the model's own template (--chat-template)
 
 
 class WorkerClient:
@@ -132,7 +141,7 @@ class WorkerClient:
                 max_model_len=served.engine.card.max_model_len,
                 logprobs_mode=served.engine.card.logprobs_mode.value,
                 backend=served.engine.card.backend,
-                tokenizer_files=collect_tokenizer_files(served.tokenizer_dir),
+                tokenizer_files=collect_tokenizer_files(served.tokenizer_dir, served.chat_template),
             )
             for name, served in self.models.items()
         ]
