@@ -13,7 +13,7 @@ from proxy.chat.renderer import ChatRenderer
 from proxy.chat.template_check import check_tools
 from proxy.chat.tool_listing import LISTINGS, ToolHandling, decide, with_listing
 from proxy.exceptions import ToolsUnsupportedError
-from tests.families import FAMILIES, FIXTURES, family_model
+from tests.families import FAMILIES, FIXTURES, family_model, tool_aware_deepseek_v31
 
 LISTED = {"deepseek_v31": "deepseek_v31", "deepseek_r1": "deepseek_v3"}
 GOLDEN = FIXTURES.parent / "tool_listings"
@@ -142,17 +142,3 @@ def test_a_tool_aware_template_renders_the_tools_itself() -> None:
     text = renderer.render_text(MESSAGES, TOOLS)
     assert "Tools you may call:\n- bash: Run a command" in text
     assert "## Tools" not in text
-
-
-def tool_aware_deepseek_v31() -> str:
-    """DeepSeek-V3.1's official template with a tools block of this test's own wording
-    added to its system prompt (distinct from the proxy's listing, so either is seen)."""
-    official = (FIXTURES / "deepseek_v31" / "chat_template.jinja").read_text()
-    block = (
-        "{%- if tools %}{% set ns.system_prompt = ns.system_prompt + 'Tools you may call:' %}"
-        "{%- for tool in tools %}{% set ns.system_prompt = ns.system_prompt + '\\n- ' + "
-        "tool.function.name + ': ' + tool.function.description + ' ' + "
-        "(tool.function.parameters | tojson) %}{%- endfor %}{%- endif %}"
-    )
-    assert official.count("{{ bos_token }}") == 1
-    return official.replace("{{ bos_token }}", block + "{{ bos_token }}")
