@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RELAY_UPSTREAM_API_KEY"),
         help="openai backend: bearer key for the upstream (env RELAY_UPSTREAM_API_KEY)",
     )
+    w.add_argument(
+        "--weights-api",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="openai backend: how the upstream server loads a new checkpoint on POST /weights "
+        "(sglang: /update_weights_from_disk; vllm: its RL routes, VLLM_SERVER_DEV_MODE=1)",
+    )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument(
         "--chat-template",
@@ -458,6 +465,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
             upstream_model=args.upstream_model,
             api_key=args.upstream_api_key,
             logprobs_mode=mode,
+            weights_api=args.weights_api,
         )
     else:
         from worker_client.backends.vllm import VLLMEngine

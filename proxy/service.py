@@ -460,6 +460,7 @@ class TurnService:
                 ),
                 capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
+                versions=[list(span) for span in call.version_spans(len(ids))],
             ),
         )
         if session.state is SessionState.ACTIVE:
