@@ -104,9 +104,15 @@ class ServedModel:
     tokenizer_dir: Path
     chat_template: Path | None = None  # replaces the model's own template (--chat-template)
 
-    def __init__(self, engine: Engine | VersionedEngine, tokenizer_dir: Path) -> None:
+    def __init__(
+        self,
+        engine: Engine | VersionedEngine,
+        tokenizer_dir: Path,
+        chat_template: Path | None = None,
+    ) -> None:
         self.engine = engine if isinstance(engine, VersionedEngine) else VersionedEngine(engine)
         self.tokenizer_dir = Path(tokenizer_dir)
+        self.chat_template = chat_template
 
 
 class WorkerClient:
