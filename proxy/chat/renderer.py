@@ -216,10 +216,8 @@ class ChatRenderer:
         messages: Sequence[ChatMessage],
         tools: Sequence[Tool],
         variables: Mapping[str, Any] | None = None,
-        *,
-        add_generation_prompt: bool = True,
     ) -> str:
-        """The text of a full rendering. Tools go to the template, or into the system
+        """The text of a full rendering, with the generation prompt. Tools go to the template, or into the system
         prompt as the family lists them; a request with tools that can reach the model
         neither way is refused (ToolsUnsupportedError)."""
         dicts = [self._dict(m) for m in messages]
@@ -235,10 +233,7 @@ class ChatRenderer:
             dicts = with_listing(dicts, self._listing(tools))
             template_tools = []
         return self._apply(
-            dicts,
-            tools=template_tools,
-            add_generation_prompt=add_generation_prompt,
-            variables=variables,
+            dicts, tools=template_tools, add_generation_prompt=True, variables=variables
         )
 
     def render_continuation(
