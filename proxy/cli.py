@@ -260,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
     )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
+    w.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template that replaces the model's own in what the proxy renders "
+        "(e.g. a tool-aware one where the model's template ignores tools)",
+    )
     w.add_argument("--token", default=os.environ.get("RELAY_WORKER_TOKEN", ""))
     w.add_argument("--max-concurrency", type=int, default=8)
     w.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
@@ -488,7 +496,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
         engine = VLLMEngine.load(args.model, name=args.name, logprobs_mode=mode)
     fleet = WorkerFleet(
         args.proxy,
-        {engine.card.name: ServedModel(engine, Path(args.model))},
+        {engine.card.name: ServedModel(engine, Path(args.model), args.chat_template)},
         token=args.token,
         worker_id=args.worker_id,
         max_concurrency=args.max_concurrency,
@@ -647,6 +655,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     "rollout-relay worker: --backend openai needs --upstream-url "
                     "(the vLLM/SGLang server's /v1 URL)",
+                    file=sys.stderr,
+                )
+                return 2
+            if args.chat_template is not None and not args.chat_template.is_file():
+                print(
+                    f"rollout-relay worker: --chat-template {args.chat_template}: no such file",
                     file=sys.stderr,
                 )
                 return 2

@@ -6,7 +6,9 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ProxyError                      500 internal_error
     ├── BadRequestError             400 invalid_request_error
     │   ├── ContextLengthError      400 prompt + completion exceed the context window
-    │   └── TemplateError           400 the chat template rejected the messages
+    │   ├── TemplateError           400 the chat template rejected the messages
+    │   └── ToolsUnsupportedError   400 the model's template drops tools and no listing
+    │                                   of its family puts them in the prompt
     ├── AuthenticationError         401 missing or invalid credential
     ├── PermissionDeniedError       403 credential of the wrong kind or for another trial
     ├── NotFoundError               404 unknown trial, model or route
@@ -51,6 +53,13 @@ class ContextLengthError(BadRequestError):
 
 class TemplateError(BadRequestError):
     code = "template_error"
+
+
+class ToolsUnsupportedError(BadRequestError):
+    """A request with tools for a model whose chat template does not render them, of a
+    family with no known listing: refused rather than sampled without the tools."""
+
+    code = "tools_unsupported"
 
 
 class AuthenticationError(ProxyError):

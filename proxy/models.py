@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.chat.renderer import ChatRenderer
-from proxy.chat.template_check import ShapeResult, check_template, summary_line
+from proxy.chat.template_check import (
+    ShapeResult,
+    ToolsResult,
+    check_template,
+    check_tools,
+    summary_line,
+)
 from proxy.exceptions import NotFoundError, ProxyError
 from relay import protocol
 from relay.endpoint import AdmissionRefused
@@ -34,6 +40,8 @@ class ServedModel:
     renderer: ChatRenderer
     # The template's handling of agents' conversation shapes (proxy.chat.template_check).
     template_check: tuple[ShapeResult, ...] = ()
+    # Whether the agents' tools reach the model, and how.
+    tools_check: ToolsResult | None = None
 
 
 def tokenizer_digest(files: dict[str, bytes]) -> str:
@@ -84,16 +92,17 @@ class ModelRegistry:
                 raise AdmissionRefused(
                     f"model {info.name!r}: cannot load tokenizer: {exc}"
                 ) from None
+            tools = check_tools(renderer)
             self.models[info.name] = ServedModel(
-                info.name, digest, info.max_model_len, renderer, tuple(checked)
+                info.name, digest, info.max_model_len, renderer, tuple(checked), tools
             )
-            broken = any(r.result != "continued" for r in checked)
+            broken = any(r.result != "continued" for r in checked) or tools.result == "refused"
             log.log(
                 logging.WARNING if broken else logging.INFO,
                 "model %s (tool calls: %s): template check: %s",
                 info.name,
                 renderer.parser.name,
-                summary_line(checked),
+                summary_line(checked, tools),
             )
 
     def _load(self, digest: str, files: dict[str, bytes]) -> tuple[ChatRenderer, list[ShapeResult]]:

@@ -222,3 +222,18 @@ def family_model(name: str) -> Path:
     if not (path / "model.safetensors").is_file():
         write_family_model(path, folder, seed=0)
     return path
+
+
+def tool_aware_deepseek_v31() -> str:
+    """DeepSeek-V3.1's official template with a tools block of the tests' own wording added
+    to its system prompt: a tool-aware template as an operator would give one with
+    ``--chat-template`` (distinct from the proxy's listing, so a prompt shows which)."""
+    official = (FIXTURES / "deepseek_v31" / "chat_template.jinja").read_text()
+    block = (
+        "{%- if tools %}{% set ns.system_prompt = ns.system_prompt + 'Tools you may call:' %}"
+        "{%- for tool in tools %}{% set ns.system_prompt = ns.system_prompt + '\\n- ' + "
+        "tool.function.name + ': ' + tool.function.description + ' ' + "
+        "(tool.function.parameters | tojson) %}{%- endfor %}{%- endif %}"
+    )
+    assert official.count("{{ bos_token }}") == 1
+    return official.replace("{{ bos_token }}", block + "{{ bos_token }}")

@@ -6,38 +6,94 @@ random models rarely do) serve this engine through a real worker: the proxy, the
 and the worker are the real ones, the *choice* of tokens is scripted, and every token's
 logprob is the tiny model's own raw logprob given the exact prompt the worker received,
 so fidelity re-scoring of the recorded trajectories is a real check.
+
+Like a real model, the policy calls only tools its prompt shows: a reply scripted as a
+``Turn`` keeps a tool call only when the prompt it is given contains that tool's name and
+definition, so a template that drops the agent's tools cannot pass unnoticed (the calls
+are left out, the agent gets none, and ``unseen`` names them).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from worker_client.backends.hf import HFEngine
 from worker_client.engine import FinishReason, ModelCard, SamplingParams, TokenChunk
 
+# A tool call as the policy means to write it: (name, arguments).
+Call = tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A reply the policy means to write; ``ScriptedEngine.write`` puts it in the model's
+    markup once the calls to tools the prompt does not show are left out."""
+
+    reasoning: str
+    content: str
+    calls: tuple[Call, ...] = ()
+
+
+def shows_tool(prompt: str, name: str, definition: Sequence[str] = ()) -> bool:
+    """Whether ``prompt`` shows the tool: its name and every given part of its definition
+    (its description, its parameters' names) appear in it."""
+    return all(part in prompt for part in (name, *definition))
+
+
+Reply = str | Turn | Callable[[str], str | Turn]
+
 
 class ScriptedEngine:
     """Replies come from the queue (``script``) in order; once it is empty, from
-    ``policy`` (a function of the prompt's text) when there is one."""
+    ``policy`` (a function of the prompt's text) when there is one.
+
+    A ``Turn`` is written by ``write`` (the prompt, reasoning, content and calls → the
+    model's text), keeping only calls to tools the prompt shows; ``tools`` gives each
+    tool's definition as the agent sends it (see ``shows_tool``)."""
 
     def __init__(
-        self, scorer: HFEngine, tokenizer: object, policy: Callable[[str], str] | None = None
+        self,
+        scorer: HFEngine,
+        tokenizer: object,
+        policy: Callable[[str], str | Turn] | None = None,
+        *,
+        write: Callable[[str, str, str, list[Call]], str] | None = None,
+        tools: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.policy = policy
-        self.replies: deque[str | Callable[[str], str]] = deque()
+        self.write = write
+        self.tools = dict(tools or {})
+        self.replies: deque[Reply] = deque()
         self.prompts: list[list[int]] = []
         self.sampled: list[list[int]] = []
+        # The tools a Turn meant to call that its prompt did not show.
+        self.unseen: list[str] = []
 
     @property
     def card(self) -> ModelCard:
         return self.scorer.card
 
-    def script(self, *replies: str | Callable[[str], str]) -> None:
-        """Queue replies: texts, or functions of the prompt's text giving one."""
+    def script(self, *replies: Reply) -> None:
+        """Queue replies: texts or turns, or functions of the prompt's text giving one."""
         self.replies.extend(replies)
+
+    def _written(self, prompt: str, turn: Turn) -> str:
+        """The turn in the model's markup, calling only tools the prompt shows; with none
+        left it answers that it has no such tool, as a model that was not shown it would."""
+        if self.write is None:
+            raise TypeError("a Turn needs the engine's write function")
+        calls = [c for c in turn.calls if shows_tool(prompt, c[0], self.tools.get(c[0], ()))]
+        missing = [c[0] for c in turn.calls if c not in calls]
+        self.unseen.extend(missing)
+        content = turn.content
+        if missing and not calls:
+            content = content or f"No tool named {missing[0]} was shown to me."
+        return self.write(prompt, turn.reasoning, content, calls)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
@@ -45,8 +101,12 @@ class ScriptedEngine:
         if not self.replies and self.policy is not None:
             self.replies.append(self.policy)
         reply = self.replies.popleft()
-        if callable(reply):
-            reply = reply(self.tokenizer.decode(list(prompt_ids)))  # type: ignore[attr-defined]
+        if not isinstance(reply, str):
+            prompt = self.tokenizer.decode(list(prompt_ids))  # type: ignore[attr-defined]
+            if callable(reply):
+                reply = reply(prompt)
+            if isinstance(reply, Turn):
+                reply = self._written(prompt, reply)
         ids = self.tokenizer.encode(reply, add_special_tokens=False)  # type: ignore[attr-defined]
         # A reply longer than the request's max_tokens is cut there, as an engine cuts it.
         finish = FinishReason.LENGTH if len(ids) > sampling.max_tokens else FinishReason.STOP

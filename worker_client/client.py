@@ -55,12 +55,20 @@ TOKENIZER_FILES = (
 )
 
 
-def collect_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
-    """Read the tokenizer-related files of a Hugging Face model directory."""
+def collect_tokenizer_files(
+    model_dir: str | Path, chat_template: str | Path | None = None
+) -> dict[str, bytes]:
+    """Read the tokenizer-related files of a Hugging Face model directory. A given
+    ``chat_template`` file (e.g. a tool-aware one for a model whose own template ignores
+    tools) replaces the model's template: it is shipped as ``chat_template.jinja``, which
+    the proxy's loader prefers to a template inside ``tokenizer_config.json``."""
     root = Path(model_dir)
     files = {
         name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()
     }
+    if chat_template is not None:
+        files.pop("chat_template.json", None)
+        files["chat_template.jinja"] = Path(chat_template).read_bytes()
     if (
         "tokenizer.json" not in files
         and "tokenizer.model" not in files
@@ -94,10 +102,17 @@ class ServedModel:
 
     engine: VersionedEngine
     tokenizer_dir: Path
+    chat_template: Path | None = None  # replaces the model's own template (--chat-template)
 
-    def __init__(self, engine: Engine | VersionedEngine, tokenizer_dir: Path) -> None:
+    def __init__(
+        self,
+        engine: Engine | VersionedEngine,
+        tokenizer_dir: Path,
+        chat_template: Path | None = None,
+    ) -> None:
         self.engine = engine if isinstance(engine, VersionedEngine) else VersionedEngine(engine)
         self.tokenizer_dir = Path(tokenizer_dir)
+        self.chat_template = chat_template
 
 
 class WorkerClient:
@@ -148,7 +163,7 @@ class WorkerClient:
                 max_model_len=served.engine.card.max_model_len,
                 logprobs_mode=served.engine.card.logprobs_mode.value,
                 backend=served.engine.card.backend,
-                tokenizer_files=collect_tokenizer_files(served.tokenizer_dir),
+                tokenizer_files=collect_tokenizer_files(served.tokenizer_dir, served.chat_template),
             )
             for name, served in self.models.items()
         ]

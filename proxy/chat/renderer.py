@@ -5,6 +5,8 @@ Rendering is done by the model's own chat template through transformers'
 rule that keeps sampled tokens verbatim across turns:
 
 * A new branch is rendered in full: ``template(messages, tools) + generation prompt``.
+  A template that ignores ``tools`` (DeepSeek's) gets its family's tool listing in the
+  system prompt instead, or the request is refused (``proxy.chat.tool_listing``).
 * A continuation is ``previous context ids + sampled ids + the text after them``: what
   the template writes after the returned assistant message's content (its close, minus
   the end-of-turn token the model already sampled), the new messages and the generation
@@ -39,7 +41,8 @@ from proxy.chat.continuation import (
     text_after_completion,
 )
 from proxy.chat.messages import ChatMessage, Tool
-from proxy.exceptions import TemplateError
+from proxy.chat.tool_listing import ToolHandling, decide, listing_for, with_listing
+from proxy.exceptions import TemplateError, ToolsUnsupportedError
 from proxy.toolcalls import ParsedOutput, ToolCallParser, detect_parser, get_parser
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ log = logging.getLogger(__name__)
 __all__ = ["ChatRenderer", "NotPrefixStableError"]
 
 _PROBE_USER: dict[str, Any] = {"role": "user", "content": "probe"}
+_PROBE_SYSTEM: dict[str, Any] = {"role": "system", "content": "probe"}
+_PROBE_TOOL = Tool(
+    "probe_tool", "A probe.", {"type": "object", "properties": {"x": {"type": "string"}}}
+)
 # Anchors whose rendering alone is kept (an agent's plain replies all share one).
 _ANCHORS_KEPT = 256
 _PROBE_CALL = {"id": "call_probe", "type": "function", "function": {"name": "probe"}}
@@ -86,6 +93,11 @@ class ChatRenderer:
         # Some templates concatenate tool-call arguments as text (DeepSeek), most render
         # a mapping: which one is found once, by rendering a call both ways.
         self.string_arguments = self._wants_string_arguments()
+        # Whether ``tools`` reach the model, and how (see ``proxy.chat.tool_listing``).
+        self.tool_handling = decide(self._renders_tools(), self.parser.name)
+        self._listing = (
+            listing_for(self.parser.name) if self.tool_handling is ToolHandling.LISTED else None
+        )
 
     @classmethod
     def from_directory(cls, path: str | Path, *, tool_parser: str | None = None) -> ChatRenderer:
@@ -132,6 +144,19 @@ class ChatRenderer:
                 return False
             return True
         return False
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes ``tools`` into the prompt: a conversation rendered
+        with a tool and without must differ, with a system message and without one."""
+        tools = [_PROBE_TOOL.template_dict()]
+        for messages in ([_PROBE_USER], [_PROBE_SYSTEM, _PROBE_USER]):
+            try:
+                with_tools = self._apply(messages, tools=tools, add_generation_prompt=True)
+            except TemplateError:
+                return False
+            if with_tools == self._apply(messages, add_generation_prompt=True):
+                return False
+        return True
 
     # ------------------------------------------------------------------ rendering
 
@@ -184,13 +209,32 @@ class ChatRenderer:
         variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """A full rendering, with the generation prompt (a new branch's prompt)."""
-        text = self._apply(
-            [self._dict(m) for m in messages],
-            tools=[t.template_dict() for t in tools],
-            add_generation_prompt=True,
-            variables=variables,
+        return self.encode(self.render_text(messages, tools, variables))
+
+    def render_text(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Tool],
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The text of a full rendering, with the generation prompt. Tools go to the template, or into the system
+        prompt as the family lists them; a request with tools that can reach the model
+        neither way is refused (ToolsUnsupportedError)."""
+        dicts = [self._dict(m) for m in messages]
+        template_tools = [t.template_dict() for t in tools]
+        if tools and self.tool_handling is not ToolHandling.RENDERED:
+            if self._listing is None:
+                raise ToolsUnsupportedError(
+                    "this model's chat template does not render tools and no tool listing "
+                    f"is known for its tool-call format ({self.parser.name}); the worker "
+                    "can bring a tool-aware template (rollout-relay worker --chat-template "
+                    "FILE)"
+                )
+            dicts = with_listing(dicts, self._listing(tools))
+            template_tools = []
+        return self._apply(
+            dicts, tools=template_tools, add_generation_prompt=True, variables=variables
         )
-        return self.encode(text)
 
     def render_continuation(
         self,

@@ -7,6 +7,12 @@ it. A shape *continues* when its next prompt can be built from the sampled ids (
 branch, and the reason says why. The result is served with the model (``GET
 /<trial>/v1/models``) and logged, so a template that breaks chains is seen before a
 training run, not after.
+
+The check also asks whether the template renders ``tools`` at all (a conversation rendered
+with and without a tool must differ): one that drops them (DeepSeek's) would have the
+policy sample without ever seeing the agent's tools. Such a model's tools are listed in
+the system prompt as its family prescribes, or its requests with tools are refused
+(``proxy.chat.tool_listing``); the result says which.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from proxy.chat.continuation import NotPrefixStableError
 from proxy.chat.messages import ChatMessage, ToolCall
 from proxy.chat.renderer import ChatRenderer
+from proxy.chat.tool_listing import ToolHandling
 from proxy.exceptions import TemplateError
 
 
@@ -29,6 +36,15 @@ class ShapeResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {"shape": self.shape, "result": self.result, "reason": self.reason}
+
+
+@dataclass(slots=True, frozen=True)
+class ToolsResult:
+    result: str  # a ToolHandling value: "rendered" | "listed" | "refused"
+    reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"result": self.result, "reason": self.reason}
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,9 +112,30 @@ def check_template(renderer: ChatRenderer) -> list[ShapeResult]:
     return results
 
 
-def summary_line(results: Sequence[ShapeResult]) -> str:
-    """One log line: each shape and what happens to it."""
+def check_tools(renderer: ChatRenderer) -> ToolsResult:
+    """Whether the agent's tools reach the model, and how."""
+    handling = renderer.tool_handling
+    if handling is ToolHandling.RENDERED:
+        return ToolsResult(handling.value)
+    if handling is ToolHandling.LISTED:
+        return ToolsResult(
+            handling.value,
+            "the template ignores tools; they are listed in the system prompt in the "
+            f"{renderer.parser.name} format",
+        )
+    return ToolsResult(
+        handling.value,
+        "the template ignores tools and no listing is known for the "
+        f"{renderer.parser.name} format: requests with tools are refused (tools_unsupported); "
+        "give the worker a tool-aware template (--chat-template FILE)",
+    )
+
+
+def summary_line(results: Sequence[ShapeResult], tools: ToolsResult | None = None) -> str:
+    """One log line: what happens to tools, then each shape and what happens to it."""
     parts = []
+    if tools is not None:
+        parts.append(f"tools {tools.result}" + (f" ({tools.reason})" if tools.reason else ""))
     for r in results:
         parts.append(f"{r.shape} {r.result}" + (f" ({r.reason})" if r.reason else ""))
     return "; ".join(parts)

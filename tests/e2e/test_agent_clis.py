@@ -2,7 +2,8 @@
 tool-using episodes through the proxy on real families' templates.
 
 The worker serves a scripted policy (``tests.scripted_policy``): it reasons, then calls the
-agent's own shell tool twice in the family's native markup, then answers; every token's
+agent's own shell tool twice in the family's native markup (only once its prompt shows that
+tool), then answers; every token's
 logprob is the family's tiny model's. The agents really run the commands, get the
 reasoning back in their API's form (Anthropic ``thinking`` blocks, Responses ``reasoning``
 items) and send it back with the next request. Each episode must be one chain of
@@ -30,7 +31,7 @@ from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.families import FAMILIES, family_model
-from tests.scripted_policy import ScriptedEngine
+from tests.scripted_policy import ScriptedEngine, Turn
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
 
@@ -67,20 +68,22 @@ AGENTS = {
     "claude": Agent("claude", "Bash", "command"),
     "codex": Agent("codex", "exec_command", "cmd"),
 }
+# What a prompt that shows an agent's shell tool contains besides its name: the names of
+# the parameters the policy fills in.
+DEFINITIONS = {"Bash": ("command", "description"), "exec_command": ("cmd",)}
 
 
-def policy(family: str, agent: Agent) -> Any:
+def policy(agent: Agent) -> Any:
     """Two commands, then the answer; requests that are not the task's (an agent's side
     requests) get a short answer."""
-    case = FAMILIES[family]
 
-    def reply(prompt: str) -> str:
+    def reply(prompt: str) -> Turn:
         if TASK not in prompt:
-            return case.sample("", "OK.", [])
+            return Turn("", "OK.")
         done = prompt.count(MARKER)
         if done >= 2:
-            return case.sample("Both markers are printed.", ANSWER, [])
-        return case.sample(f"Step {done + 1}: print marker {done + 1}.", "", [agent.call(done + 1)])
+            return Turn("Both markers are printed.", ANSWER)
+        return Turn(f"Step {done + 1}: print marker {done + 1}.", "", (agent.call(done + 1),))
 
     return reply
 
@@ -108,7 +111,10 @@ async def agent_stack(
     for name in AGENT_FAMILIES:
         directory = family_model(name)
         engine = ScriptedEngine(
-            HFEngine.load(directory, name=name), AutoTokenizer.from_pretrained(str(directory))
+            HFEngine.load(directory, name=name),
+            AutoTokenizer.from_pretrained(str(directory)),
+            write=FAMILIES[name].reply,
+            tools=DEFINITIONS,
         )
         engines[name] = engine
         client = WorkerClient(
@@ -221,12 +227,14 @@ async def test_agent_cli_runs_a_reasoning_episode_as_one_chain(
     engine = engines[family]
     engine.prompts.clear()
     engine.sampled.clear()
-    engine.policy = policy(family, AGENTS[agent])
+    engine.unseen.clear()
+    engine.policy = policy(AGENTS[agent])
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(model=family)
         _, output = await run_agent(clis, agent, trial, family, tmp_path)
         export = await proxy.trajectories(trial.trial_id)
 
+    assert engine.unseen == []  # the policy saw the tool it called
     assert ANSWER in output
     (trajectory,) = export["trajectories"]
     turns = trajectory["turns"]
@@ -245,16 +253,15 @@ async def test_agent_cli_runs_a_reasoning_episode_as_one_chain(
 LONG_ANSWER = "Finished: relayout-1. " + " ".join(f"detail{i}" for i in range(120))
 
 
-def capped_policy(family: str, agent: Agent) -> Any:
+def capped_policy(agent: Agent) -> Any:
     """One command, then an answer far longer than the session's cap."""
-    case = FAMILIES[family]
 
-    def reply(prompt: str) -> str:
+    def reply(prompt: str) -> Turn:
         if TASK not in prompt:
-            return case.sample("", "OK.", [])
+            return Turn("", "OK.")
         if prompt.count(MARKER) == 0:
-            return case.sample("", "", [agent.call(1)])
-        return case.sample("", LONG_ANSWER, [])
+            return Turn("", "", (agent.call(1),))
+        return Turn("", LONG_ANSWER)
 
     return reply
 
@@ -276,7 +283,7 @@ async def test_a_reply_cut_by_the_trainers_cap(
     engine = engines["qwen3"]
     engine.prompts.clear()
     engine.sampled.clear()
-    engine.policy = capped_policy("qwen3", AGENTS[agent])
+    engine.policy = capped_policy(AGENTS[agent])
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(
             model="qwen3", sampling={"max_tokens": 96}, cap_finish=cap_finish

@@ -2,12 +2,13 @@
 through a scripted policy, and the official clients of every agent API running a
 reasoning, tool-using episode. Each episode must be one chain of continued turns with the
 sampled ids verbatim in later contexts, reasoning returned in the API's own form (and sent
-back or not), and a trajectory that re-scores by teacher forcing."""
+back or not), and a trajectory that re-scores by teacher forcing. The policy calls only
+tools its prompt shows (``tests.scripted_policy``): every family's prompt must carry the
+agent's tools, DeepSeek's through the listing the proxy writes into the system prompt."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +25,7 @@ from sdk.client import ProxyClient
 from sdk.fidelity import check_fidelity
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.families import FAMILIES, family_model
-from tests.scripted_policy import ScriptedEngine
+from tests.scripted_policy import ScriptedEngine, Turn
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
 
@@ -40,6 +41,8 @@ SCRIPT = [
     ("That answers it.", "main.py prints hi.", []),
 ]
 TOOL_OUTPUTS = ["main.py\nREADME.md", "print('hi')"]
+# What a prompt that shows a tool contains: its description and its parameters' names.
+DEFINITIONS = {name: (description, *p["properties"]) for name, description, p in TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,12 @@ async def family_stack(
     for name in E2E_FAMILIES:
         directory = family_model(name)
         scorer = HFEngine.load(directory, name=name)
-        engine = ScriptedEngine(scorer, AutoTokenizer.from_pretrained(str(directory)))
+        engine = ScriptedEngine(
+            scorer,
+            AutoTokenizer.from_pretrained(str(directory)),
+            write=FAMILIES[name].reply,
+            tools=DEFINITIONS,
+        )
         engines[name] = engine
         client = WorkerClient(
             running.worker_url, {name: ServedModel(engine, directory)}, worker_id=f"w-{name}"
@@ -227,24 +235,22 @@ async def test_a_reasoning_tool_episode_is_one_chain(
     stream: bool,
 ) -> None:
     """Three turns (two tool calls, then an answer) through the official client of each
-    agent API: one trajectory of continued turns, the sampled ids verbatim in the next
-    prompt, reasoning returned as the API's reasoning, and fidelity within 1e-4."""
+    agent API, by a policy that calls only tools its prompt shows: one trajectory of
+    continued turns, the sampled ids verbatim in the next prompt, reasoning returned as the
+    API's reasoning, and fidelity within 1e-4."""
     running, engines = family_stack
     case, engine = FAMILIES[family], engines[family]
     engine.prompts.clear()
     engine.sampled.clear()
-    engine.script(
-        *(
-            functools.partial(case.reply, reasoning=r, content=c, calls=calls)
-            for r, c, calls in SCRIPT
-        )
-    )
+    engine.unseen.clear()
+    engine.script(*(Turn(r, c, tuple(calls)) for r, c, calls in SCRIPT))
     send_back = not stream  # one of each: reasoning sent back, and dropped
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(model=family)
         base = trial.anthropic_base_url if api == "anthropic" else trial.base_url
         reasoning, call_ids = await AGENTS[api](base, trial.api_key, family, stream, send_back)
         export = await proxy.trajectories(trial.trial_id)
+    assert engine.unseen == []  # the policy saw every tool it called
     (trajectory,) = export["trajectories"]
     reasons = [t["branch_reason"] for t in trajectory["turns"]]
     assert reasons == ["new_session", "continued", "continued"]
@@ -262,6 +268,27 @@ async def test_a_reasoning_tool_episode_is_one_chain(
     report = check_fidelity(export, engine.scorer.score)
     assert report.ok(), report
     assert json.dumps(export)  # the export is plain JSON
+
+
+async def test_the_models_endpoint_says_how_tools_reach_each_family(
+    family_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+) -> None:
+    """``GET /v1/models`` says per family whether its template renders the tools or the
+    proxy lists them in the system prompt (DeepSeek-V3.1's and R1's templates drop them)."""
+    running, _ = family_stack
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model="qwen3")
+        async with AsyncOpenAI(
+            base_url=trial.base_url, api_key=trial.api_key, max_retries=0
+        ) as client:
+            models = await client.models.list()
+    tools = {m.id: (m.model_extra or {})["tools"] for m in models.data}
+    listed = {"deepseek_v31": "deepseek_v31", "deepseek_r1": "deepseek_v3"}
+    assert {name: t["result"] for name, t in tools.items()} == {
+        name: "listed" if name in listed else "rendered" for name in E2E_FAMILIES
+    }
+    for name, tool_call_format in listed.items():
+        assert f"in the {tool_call_format} format" in tools[name]["reason"]
 
 
 @pytest.mark.parametrize(
@@ -349,15 +376,22 @@ async def test_session_options_on_real_templates(
     running, engines = family_stack
     engine = engines[family]
     thinking_off = "chat_template_kwargs" in options
-    sample = FAMILIES["qwen25" if thinking_off else family].sample
     engine.prompts.clear()
     engine.sampled.clear()
-    engine.script(*(sample(r, c, calls) for r, c, calls in SCRIPT))
-    async with ProxyClient(running.url) as proxy:
-        trial = await proxy.create_session(model=family, **options)
-        summary = await proxy.get_session(trial.trial_id)
-        await _chat(trial.base_url, trial.api_key, family, False, send_back)
-        export = await proxy.trajectories(trial.trial_id)
+    engine.unseen.clear()
+    engine.script(*(Turn(r, c, tuple(calls)) for r, c, calls in SCRIPT))
+    if thinking_off:
+        # Written in Qwen2.5's markup: Qwen3's without the think block.
+        engine.write = FAMILIES["qwen25"].reply
+    try:
+        async with ProxyClient(running.url) as proxy:
+            trial = await proxy.create_session(model=family, **options)
+            summary = await proxy.get_session(trial.trial_id)
+            await _chat(trial.base_url, trial.api_key, family, False, send_back)
+            export = await proxy.trajectories(trial.trial_id)
+    finally:
+        engine.write = FAMILIES[family].reply
+    assert engine.unseen == []
     assert summary["history"] == options.get("history", "keep")
     assert summary["chat_template_kwargs"] == options.get("chat_template_kwargs", {})
     turns = sorted(

@@ -135,3 +135,18 @@ def test_the_stream_interval_reaches_the_config() -> None:
     assert config is not None
     assert config.stream_interval == 8
     assert build_parser().parse_args(["proxy"]).stream_interval == 1
+
+
+def test_a_worker_chat_template_that_is_not_a_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``worker --chat-template FILE`` parses to a path; a file that does not exist stops
+    the worker before it starts, with exit 2 and the reason."""
+    args = build_parser().parse_args(
+        ["worker", "--proxy", "ws://x/", "--model", "m", "--chat-template", "t.jinja"]
+    )
+    assert args.chat_template == Path("t.jinja")
+    missing = tmp_path / "missing.jinja"
+    argv = ["worker", "--proxy", "ws://127.0.0.1:9/", "--model", str(tmp_path)]
+    assert main([*argv, "--chat-template", str(missing)]) == 2
+    assert f"--chat-template {missing}: no such file" in capsys.readouterr().err

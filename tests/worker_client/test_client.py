@@ -94,6 +94,36 @@ def test_collect_tokenizer_files_reads_tokenizer_not_weights(tiny_model_dir: Pat
         assert data == (tiny_model_dir / name).read_bytes()
 
 
+def test_a_given_chat_template_replaces_the_models_own(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``--chat-template FILE``: the file is shipped as ``chat_template.jinja`` (which a
+    loader prefers to the template in ``tokenizer_config.json``), a ``chat_template.json``
+    is left out, every other file is unchanged, and the proxy's tokenizer has the new
+    template."""
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.is_file() and path.name in TOKENIZER_FILES:
+            (model / path.name).write_bytes(path.read_bytes())
+    (model / "chat_template.json").write_text('{"chat_template": "old"}')
+    own = collect_tokenizer_files(model)
+    files = collect_tokenizer_files(model, template)
+    assert files["chat_template.jinja"] == template.read_bytes()
+    assert "chat_template.json" not in files
+    assert {k: v for k, v in files.items() if k != "chat_template.jinja"} == {
+        k: v for k, v in own.items() if k not in ("chat_template.jinja", "chat_template.json")
+    }
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    for name, data in files.items():
+        (shipped / name).write_bytes(data)
+    loaded = AutoTokenizer.from_pretrained(str(shipped))
+    assert loaded.chat_template == template.read_text()
+
+
 def test_collect_tokenizer_files_refuses_a_directory_without_a_tokenizer(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -248,6 +248,8 @@ async def list_models(request: web.Request) -> web.Response:
         if served is not None:
             entry["tool_call_format"] = served.renderer.parser.name
             entry["template_check"] = [r.as_dict() for r in served.template_check]
+            if served.tools_check is not None:
+                entry["tools"] = served.tools_check.as_dict()
         data.append(entry)
     return json_response({"object": "list", "data": data})
 

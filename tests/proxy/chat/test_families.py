@@ -11,6 +11,7 @@ import pytest
 from proxy.chat.messages import ChatMessage, Tool, ToolCall
 from proxy.chat.renderer import ChatRenderer
 from tests.families import FAMILIES, Call, FamilyCase, family_model
+from tests.scripted_policy import shows_tool
 
 TOOLS = [
     Tool(
@@ -100,11 +101,8 @@ def test_an_episode_is_one_chain_on_the_real_template(
         before = prompt + sampled
         prompt = before + added
         messages = [*messages, returned, *new]
-        full = renderer._apply(
-            [renderer._dict(m) for m in messages],
-            tools=[t.template_dict() for t in TOOLS],
-            add_generation_prompt=True,
-        )
+        # The template's own rendering, tools included (DeepSeek's in its listing).
+        full = renderer.render_text(messages, TOOLS)
         added_text = renderer.tokenizer.decode(added)
         chain = renderer.tokenizer.decode(prompt)
         if case.deviation:
@@ -130,3 +128,23 @@ def test_the_anchor_survives_templates_that_drop_content(
         returned, sampled, [ChatMessage("tool", "ok", tool_call_id=case.call_id("bash", 0))]
     )
     assert "ok" in renderer.tokenizer.decode(added)
+
+
+def test_every_familys_first_prompt_shows_the_policy_its_tools(
+    family: tuple[FamilyCase, ChatRenderer],
+) -> None:
+    """The prompt of an episode's first request shows each tool's name, description and
+    parameters, as the family tests' policy requires before it calls one; DeepSeek's bare
+    templates show none of it, the proxy's listing shows all of it."""
+    case, renderer = family
+    messages = [ChatMessage("system", "You are a coding agent."), ChatMessage("user", "Go.")]
+    prompt = renderer.tokenizer.decode(renderer.render_conversation(messages, TOOLS))
+    bare = renderer._apply(
+        [m.template_dict() for m in messages],
+        tools=[t.template_dict() for t in TOOLS],
+        add_generation_prompt=True,
+    )
+    for tool in TOOLS:
+        definition = (tool.description, *tool.parameters["properties"])
+        assert shows_tool(prompt, tool.name, definition)
+        assert shows_tool(bare, tool.name, definition) is not case.name.startswith("deepseek")

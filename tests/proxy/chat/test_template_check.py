@@ -60,5 +60,41 @@ async def test_admitting_a_model_logs_and_keeps_its_check(
         await registry.admit(protocol.Hello(protocol.PROTOCOL_VERSION, "w", "t", [info]))
     served = registry.models["tiny"]
     assert [r.result for r in served.template_check] == ["continued"] * len(SHAPES)
+    assert served.tools_check is not None
+    assert served.tools_check.result == "rendered"
     (line,) = [r.getMessage() for r in caplog.records if "template check" in r.getMessage()]
-    assert line.startswith("model tiny (tool calls: hermes): template check: tool_call continued")
+    assert line.startswith(
+        "model tiny (tool calls: hermes): template check: tools rendered; tool_call continued"
+    )
+
+
+async def test_admitting_a_model_whose_template_drops_tools_says_what_happens_to_them(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DeepSeek-V3.1's template drops tools: its log line says they are listed in the
+    system prompt. A template that drops them in a format with no listing (given as the
+    worker's ``--chat-template``) is logged as a warning: its requests with tools are
+    refused."""
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    registry = ModelRegistry(tmp_path / "cache")
+    infos = [
+        protocol.ModelInfo(
+            "ds", 2048, "raw", "hf", collect_tokenizer_files(family_model("deepseek_v31"))
+        ),
+        protocol.ModelInfo(
+            "plain", 2048, "raw", "hf", collect_tokenizer_files(tiny_model_dir, plain)
+        ),
+    ]
+    with caplog.at_level(logging.INFO, logger="proxy.models"):
+        await registry.admit(protocol.Hello(protocol.PROTOCOL_VERSION, "w", "t", infos))
+    lines = {r.getMessage().split()[1]: r for r in caplog.records if "template check" in r.msg}
+    assert "template check: tools listed (the template ignores tools" in lines["ds"].getMessage()
+    assert lines["ds"].levelno == logging.INFO
+    assert "template check: tools refused" in lines["plain"].getMessage()
+    assert lines["plain"].levelno == logging.WARNING
+    checks = {name: served.tools_check for name, served in registry.models.items()}
+    assert {name: c.result if c else None for name, c in checks.items()} == {
+        "ds": "listed",
+        "plain": "refused",
+    }
