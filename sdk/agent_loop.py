@@ -65,7 +65,8 @@ class AgentLoopConfig:
     ``agent``/``model``/``agent_settings`` go to the task server; ``sampling`` (temperature,
     top_p, top_k, seed, max_tokens) is the trial's sampling on the proxy, which overrides
     what the agent asks for. ``branch_policy``, ``shared_turns``, ``max_prompt_tokens`` /
-    ``max_response_tokens`` and ``overlong_prompt``: see ``sdk.samples``.
+    ``max_response_tokens``, ``overlong_prompt`` and ``keep_undelivered`` (train replies
+    the agent never received too): see ``sdk.samples``.
     """
 
     agent: str
@@ -82,6 +83,7 @@ class AgentLoopConfig:
     agent_settings: Mapping[str, Any] = field(default_factory=dict)
     # A finished run without any reward: retry it (True) or keep its samples unrewarded.
     retry_without_reward: bool = True
+    keep_undelivered: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -227,6 +229,7 @@ class RemoteAgentLoop:
                 max_response_tokens=cfg.max_response_tokens,
                 shared_turns=cfg.shared_turns,
                 overlong_prompt=cfg.overlong_prompt,
+                keep_undelivered=cfg.keep_undelivered,
             )
             if not samples:
                 attempt.error = (

@@ -182,6 +182,10 @@ def _session_from(row: sqlite3.Row) -> Session:
 
 
 def _turn_from(row: sqlite3.Row) -> TurnNode:
+    meta = json.loads(row["meta"])
+    if "delivered" not in meta:
+        # A row from before delivery was recorded: its reply went out unless it was cut.
+        meta["delivered"] = not meta.get("truncated", False)
     return TurnNode(
         index=row["idx"],
         parent=row["parent"],
@@ -190,7 +194,7 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         logprobs=decode_array("f", row["logprobs"]),
         prompt_len=row["prompt_len"],
         key=bytes(row["key"]),
-        meta=TurnMeta(**json.loads(row["meta"])),
+        meta=TurnMeta(**meta),
     )
 
 
@@ -221,6 +225,13 @@ def _put_turn(session_row: tuple[Any, ...], turn_row: tuple[Any, ...]) -> _Op:
     def op(db: sqlite3.Connection) -> None:
         put(db)
         db.execute("INSERT INTO turns VALUES (?,?,?,?,?,?,?,?,?)", turn_row)
+
+    return op
+
+
+def _put_meta(trial_id: str, index: int, meta: str) -> _Op:
+    def op(db: sqlite3.Connection) -> None:
+        db.execute("UPDATE turns SET meta=? WHERE trial_id=? AND idx=?", (meta, trial_id, index))
 
     return op
 
@@ -463,6 +474,10 @@ class SessionStore:
     def save_turn(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
         """Add one recorded turn (and the session row's new ``updated_at``)."""
         return self._submit(_put_turn(_session_row(session), _turn_row(session.trial_id, node)))
+
+    def save_turn_meta(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
+        """Rewrite a recorded turn's metadata (its delivery, after the turn was committed)."""
+        return self._submit(_put_meta(session.trial_id, node.index, _json(node.meta)))
 
     def delete_session(
         self, trial_id: str, deleted_at: float | None = None
