@@ -631,6 +631,7 @@ class TurnService:
                 ),
                 capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
+                delivered=False,  # until its reply's end is written (settle_delivery)
                 retry_of=prepared.retry_of,
                 request_hash=marks.request_hash if marks is not None else "",
                 client_request_id=marks.client_request_id if marks is not None else "",

@@ -78,9 +78,10 @@ class TurnMeta(msgspec.Struct, gc=False):
     # Stopped by a max_tokens the agent did not ask for (the session's or the proxy's).
     capped: bool = False
     extra: dict[str, str | int | float] = {}  # msgspec gives each turn its own dict
-    # Whether the reply's last byte was handed to the client (set after the commit, so a
-    # crash in between leaves False), or a later turn continued it (the agent had it).
-    delivered: bool = False
+    # Whether the reply's last byte was handed to the client, or a later turn continued it
+    # (the agent had it). The proxy records a turn with False and sets it after the commit,
+    # so a crash in between leaves False; True by default for turns made elsewhere.
+    delivered: bool = True
     retry_of: int | None = None  # the earlier turn whose attempt this one repeats
     replays: int = 0  # retries answered with this recorded reply
     # Retries are recognised by these (never exported): the hash of the request's raw

@@ -332,6 +332,13 @@ async def test_sdk_retry_after_the_connection_dropped_mid_reply_samples_anew(
     # The cut attempt is kept for whoever asks for it.
     assert len(build_samples(export)) == 1
     assert len(build_samples(export, keep_undelivered=True)) == 2
+    # The viewer shows the same.
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{stack.running.url}/ui/api/sessions/{trial.trial_id}") as response,
+    ):
+        shown = (await response.json())["turns"]
+    assert [(t["delivered"], t["retry_of"]) for t in shown] == [(False, None), (True, 0)]
 
 
 @pytest.mark.parametrize("api", ["chat", "anthropic"])
