@@ -31,6 +31,7 @@ from proxy.exceptions import (
     ContextLengthError,
     ProxyError,
     ServiceUnavailableError,
+    StorageError,
     TooManyRequestsError,
     UpstreamError,
 )
@@ -174,6 +175,7 @@ class PreparedTurn:
     replay: TurnNode | None = None  # the recorded turn a retry is answered with
     retry_of: int | None = None  # the earlier (cut) attempt this sampled turn replaces
     live: _Live | None = None  # registered while in flight, for retries to join
+    detached: bool = False  # finished in the background after its client left
 
 
 class TurnService:
@@ -199,6 +201,7 @@ class TurnService:
         self.limits = Limits()
         # Attempts in flight by (trial, request hash): a retry of one waits for it.
         self._live: dict[tuple[str, str], _Live] = {}
+        self._detached: set[asyncio.Task[None]] = set()
 
     async def _served(self, session: Session, requested: str) -> ServedModel:
         served = await self.pool.wait_for_models()
@@ -338,8 +341,10 @@ class TurnService:
                 del self._live[key]
         live.done.set()
 
-    def _settled(self, prepared: PreparedTurn) -> None:
+    def _settled(self, prepared: PreparedTurn, *, detached: bool = False) -> None:
         """The attempt is over (recorded, or ended without a turn): retries stop waiting."""
+        if prepared.detached and not detached:
+            return  # the background task that finishes it settles it
         live = prepared.live
         if live is not None:
             prepared.live = None
@@ -484,6 +489,12 @@ class TurnService:
             self._settled(prepared)
             raise
         except (asyncio.CancelledError, GeneratorExit):
+            if not incremental and prepared.live is not None and not call.cancelled:
+                # A whole reply whose client stopped waiting (an SDK's timeout): it is
+                # finished anyway, so the client's retry joins it or gets it from the record
+                # instead of starting over (and timing out again).
+                self._detach(prepared, decoding)
+                raise
             await call.cancel()
             cut = self._record(
                 prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
@@ -515,6 +526,60 @@ class TurnService:
         for out in last:
             yield out
         yield TurnDone(result)
+
+    def _detach(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
+        prepared.detached = True
+        task = asyncio.get_running_loop().create_task(self._finish_detached(prepared, decoding))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    async def _finish_detached(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
+        """Sample the rest of a non-streamed reply whose client left, and record it whole
+        and undelivered (or cut, if the worker fails): a retry is answered with it."""
+        call = prepared.call
+        assert call is not None
+        finished: FinishedEvent | None = None
+        try:
+            try:
+                async for event in call.events(wake_after=None):
+                    if isinstance(event, TokensEvent):
+                        decoding.add(event)
+                    elif isinstance(event, RestartedEvent):
+                        decoding = _Decoding(prepared)
+                    elif isinstance(event, FinishedEvent):
+                        finished = event
+            except (RelayError, NoWorkerAvailableError):
+                finished = None
+            if finished is None:
+                cut = self._record(
+                    prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+                )
+                self._commit_later(prepared.session, cut.node)
+                return
+            _, parsed = decoding.finish()
+            result = self._record(
+                prepared,
+                decoding.detok.ids,
+                decoding.logprobs,
+                finished,
+                parsed,
+                truncated=False,
+                reasoning="".join(decoding.splitter.reasoning),
+            )
+            if self.metrics is not None:
+                self.metrics.undelivered_turns.labels(prepared.request.api).inc()
+            self._commit_later(prepared.session, result.node)
+        except asyncio.CancelledError:  # the proxy stops
+            await call.cancel()
+            cut = self._record(
+                prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+            )
+            self._commit_later(prepared.session, cut.node)
+            raise
+        except StorageError as exc:  # the store closed first: the proxy is stopping
+            log.warning("a reply finished after its client left could not be saved: %s", exc)
+        finally:
+            self._settled(prepared, detached=True)
 
     async def _replay(
         self, prepared: PreparedTurn, node: TurnNode
