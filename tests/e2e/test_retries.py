@@ -450,6 +450,7 @@ async def test_a_client_that_leaves_and_never_returns_trains_nothing(stack: Stac
     """A stream the client leaves after its first tokens: the cut turn is in the export,
     undelivered, and trains nothing (the agent never had the whole reply)."""
     trial = await stack.client.create_session()
+    undelivered = await metric(stack, "relay_turns_undelivered", "openai.chat")
     url = f"{trial.base_url}/chat/completions"
     body = {"model": "any", "messages": [{"role": "user", "content": PROMPT}], "stream": True}
     async with (
@@ -458,7 +459,6 @@ async def test_a_client_that_leaves_and_never_returns_trains_nothing(stack: Stac
     ):
         for _ in range(3):
             await r.content.readline()
-    undelivered = await metric(stack, "relay_turns_undelivered", "openai.chat")
     export = await _settled(stack, trial.trial_id, 1)
     (turn,) = turns_of(export).values()
     assert turn["truncated"] is True
@@ -466,7 +466,7 @@ async def test_a_client_that_leaves_and_never_returns_trains_nothing(stack: Stac
     assert trained_texts(export, stack.tokenizer) == []
     summary = await stack.client.get_session(trial.trial_id)
     assert summary["undelivered_turns"] == 1
-    assert undelivered >= 1
+    assert await metric(stack, "relay_turns_undelivered", "openai.chat") == undelivered + 1
 
 
 @pytest.mark.parametrize("api", APIS)
