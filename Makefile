@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := proxy relay worker_client sdk bench
 
-.PHONY: setup check lint typecheck test test-harbor test-vllm demo up bench clean
+.PHONY: setup check lint typecheck test test-harbor test-vllm demo train up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -37,6 +37,12 @@ test-vllm:
 
 demo: setup
 	$(BIN)/rollout-relay demo
+
+# TRL's GRPOTrainer trains the tiny model through the proxy and real agents, the weights
+# pushed to the worker after every step (~6 min on 2 cores); plot and figures in .cache/train.
+train: setup
+	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
+	$(BIN)/rollout-relay train
 
 up: setup
 	$(BIN)/rollout-relay up

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.api import sessions, ui
+from proxy.api import sessions, ui, weights
 from proxy.api.anthropic import routes as anthropic_routes
 from proxy.api.auth import auth_middleware
 from proxy.api.errors import error_middleware, json_response
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
-from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS
+from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
 from proxy.cluster import forward_middleware, setup_cluster
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
@@ -22,6 +22,7 @@ from proxy.service import TurnService
 from proxy.sessions.registry import SessionRegistry
 from relay.endpoint import WorkerSocketConfig, make_worker_socket_handler
 from relay.pool import PoolLimits, WorkerPool
+from relay.weights import WeightSync
 
 __all__ = ["build_app"]
 
@@ -62,6 +63,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     models = ModelRegistry(config.cache_dir, tool_parser=config.tool_parser)
     app[CONFIG] = config
     app[POOL] = pool
+    app[WEIGHTS] = WeightSync(pool)
     app[MODELS] = models
     app[SESSIONS] = SessionRegistry()
     app[SERVICE] = TurnService(
@@ -95,6 +97,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     setup_durability(app)
     setup_cluster(app)
     sessions.add_routes(app)
+    weights.add_routes(app)
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
     responses_routes.add_routes(app)

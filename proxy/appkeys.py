@@ -9,9 +9,11 @@ from proxy.models import ModelRegistry
 from proxy.service import TurnService
 from proxy.sessions.registry import SessionRegistry
 from relay.pool import WorkerPool
+from relay.weights import WeightSync
 
 CONFIG = web.AppKey("config", ProxyConfig)
 POOL = web.AppKey("pool", WorkerPool)
 MODELS = web.AppKey("models", ModelRegistry)
 SESSIONS = web.AppKey("sessions", SessionRegistry)
 SERVICE = web.AppKey("service", TurnService)
+WEIGHTS = web.AppKey("weights", WeightSync)

@@ -2,7 +2,8 @@
 
 Three kinds of credential, each opening one door:
 
-* the **admin token** opens the session API (``/sessions...``), used by the trainer;
+* the **admin token** opens the session API (``/sessions...``) and the weights API
+  (``/weights``), used by the trainer;
 * a **trial API key**, returned when the trial is registered, opens that trial's agent
   routes (``/<trial_id>/v1/...``) and nothing else;
 * the **worker token** admits a worker on ``/ws/worker``; it travels in the worker's hello
@@ -44,7 +45,7 @@ __all__ = [
 
 TRIAL_KEY_PREFIX = "rr-"
 _AGENT_ROUTES = "/{trial_id}/v1/"
-_ADMIN_ROUTES = "/sessions"
+_ADMIN_ROUTES = ("/sessions", "/weights")
 
 
 class RouteKind(enum.Enum):
@@ -113,8 +114,9 @@ def route_kind(canonical: str) -> RouteKind:
     trial named ``sessions`` is still an agent route)."""
     if canonical.startswith(_AGENT_ROUTES):
         return RouteKind.AGENT
-    if canonical == _ADMIN_ROUTES or canonical.startswith(_ADMIN_ROUTES + "/"):
-        return RouteKind.ADMIN
+    for admin in _ADMIN_ROUTES:
+        if canonical == admin or canonical.startswith(admin + "/"):
+            return RouteKind.ADMIN
     return RouteKind.PUBLIC
 
 

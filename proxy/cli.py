@@ -249,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RELAY_UPSTREAM_API_KEY"),
         help="openai backend: bearer key for the upstream (env RELAY_UPSTREAM_API_KEY)",
     )
+    w.add_argument(
+        "--weights-api",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="openai backend: how the upstream server loads a new checkpoint on POST /weights "
+        "(sglang: /update_weights_from_disk; vllm: its RL routes, VLLM_SERVER_DEV_MODE=1)",
+    )
+    w.add_argument(
+        "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
+    )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument("--token", default=os.environ.get("RELAY_WORKER_TOKEN", ""))
     w.add_argument("--max-concurrency", type=int, default=8)
@@ -294,6 +304,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the proxy up afterwards to read it at /ui/"
     )
     d.add_argument("-v", "--verbose", action="store_true", help="log to the console, not to a file")
+
+    tr = sub.add_parser(
+        "train",
+        help="train the tiny model with TRL's GRPOTrainer through the proxy and real agents",
+    )
+    tr.add_argument("--model", type=Path, default=None, help="model dir (default: tiny model)")
+    tr.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    tr.add_argument(
+        "--out", type=Path, default=Path(".cache/train"), help="plot, figures and checkpoints"
+    )
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--learning-rate", type=float, default=1e-3)
+    tr.add_argument("--generations", type=int, default=8, help="episodes per prompt (a group)")
+    tr.add_argument("--prompts-per-step", type=int, default=2)
+    tr.add_argument(
+        "--torch-threads", type=int, default=1, help="torch's intra-op threads (tiny model: 1)"
+    )
+    tr.add_argument(
+        "-v", "--verbose", action="store_true", help="log to the console, not to a file"
+    )
 
     ts = sub.add_parser(
         "task-server",
@@ -430,7 +460,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
     if args.backend == "hf":
         from worker_client.backends.hf import HFEngine
 
-        engine = HFEngine.load(args.model, name=args.name, logprobs_mode=mode)
+        engine = HFEngine.load(args.model, name=args.name, logprobs_mode=mode, device=args.device)
     elif args.backend == "instant":
         from worker_client.backends.instant import InstantEngine
 
@@ -450,6 +480,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
             upstream_model=args.upstream_model,
             api_key=args.upstream_api_key,
             logprobs_mode=mode,
+            weights_api=args.weights_api,
         )
     else:
         from worker_client.backends.vllm import VLLMEngine
@@ -532,6 +563,50 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from proxy.demo import log_to_file
+    from proxy.train import run_train
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    # GRPO compares the episodes of a group: two at least.
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--generations", args.generations, 2),
+        ("--prompts-per-step", args.prompts_per_step, 1),
+        ("--torch-threads", args.torch_threads, 1),
+    ):
+        if value < least:
+            print(f"rollout-relay train: {flag} must be at least {least}", file=sys.stderr)
+            return 2
+    if args.learning_rate <= 0:
+        print("rollout-relay train: --learning-rate must be positive", file=sys.stderr)
+        return 2
+    say("rollout-relay train: TRL's GRPOTrainer trains a policy through the proxy (CPU)")
+    if not args.verbose:
+        log_file = Path(tempfile.gettempdir()) / "rollout-relay-train.log"
+        log_to_file(log_file)
+        say(f"  (the proxy's, worker's and trainer's logs: {log_file}; -v shows them here)")
+    model = ensure_tiny_model(args.model, say)
+    say(f"[1/3] model: {model} (the workers' version 0 and the trainer's start)")
+    try:
+        return run_train(
+            model,
+            args.out,
+            steps=args.steps,
+            seed=args.seed,
+            learning_rate=args.learning_rate,
+            generations=args.generations,
+            prompts_per_step=args.prompts_per_step,
+            torch_threads=args.torch_threads,
+            say=say,
+        )
+    except KeyboardInterrupt:
+        say("stopped")
+        return 130
+
+
 def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:
     """The proxy's settings with its credentials; None (after saying why) when it must
     not start: tokens missing without an explicit --no-auth."""
@@ -598,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
             return _task_server(args)
         elif args.command == "demo":
             return _demo(args)
+        elif args.command == "train":
+            return _train(args)
     except KeyboardInterrupt:
         return 130
     except ConfigurationError as exc:

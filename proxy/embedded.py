@@ -88,12 +88,14 @@ def start_hf_worker(
     token: str = "",
     worker_id: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    device: str = "cpu",
 ) -> asyncio.Task[None]:
-    """Load the model with the ``hf`` backend and connect it to ``proxy`` in this loop."""
+    """Load the model with the ``hf`` backend (on ``device``) and connect it to ``proxy``
+    in this loop."""
     from worker_client.backends.hf import HFEngine
     from worker_client.client import ServedModel, WorkerClient
 
-    engine = HFEngine.load(model_dir, name=name)
+    engine = HFEngine.load(model_dir, name=name, device=device)
     client = WorkerClient(
         proxy.worker_url,
         {engine.card.name: ServedModel(engine, model_dir)},

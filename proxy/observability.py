@@ -129,6 +129,25 @@ class _PoolCollector(Collector):
         rejected.add_metric(["queue_full"], stats.rejected_queue_full)
         rejected.add_metric(["wait_timeout"], stats.rejected_wait_timeout)
         yield rejected
+        yield GaugeMetricFamily(
+            "relay_policy_version", "The policy version the workers serve", value=pool.version
+        )
+        updates = CounterMetricFamily(
+            "relay_weight_updates", "Weight updates (POST /weights), by outcome", labels=["outcome"]
+        )
+        updates.add_metric(["committed"], stats.updates_committed)
+        updates.add_metric(["rolled_back"], stats.updates_rolled_back)
+        yield updates
+        yield CounterMetricFamily(
+            "relay_requests_preempted",
+            "Generations an abort-mode weight update stopped and continued on the new weights",
+            value=stats.preempted,
+        )
+        yield CounterMetricFamily(
+            "relay_workers_out_of_service",
+            "Workers removed because they could not serve the current weights",
+            value=stats.out_of_service,
+        )
 
 
 class ProxyMetrics:

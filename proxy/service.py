@@ -696,6 +696,7 @@ class TurnService:
                 ),
                 capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
+                versions=[list(span) for span in call.version_spans(len(ids))],
                 delivered=False,  # until its reply's end is written (settle_delivery)
                 retry_of=prepared.retry_of,
                 request_hash=marks.request_hash if marks is not None else "",

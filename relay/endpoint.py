@@ -100,6 +100,8 @@ def make_worker_socket_handler(
             endpoint=endpoint,
             models={m.name: m for m in hello.models},
             max_concurrency=max(1, hello.max_concurrency),
+            version=hello.policy_version,
+            weights_path=hello.weights_path,
         )
         await link.send(endpoint.accept(config.heartbeat_seconds))
         await pool.add_worker(handle)

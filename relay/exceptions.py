@@ -10,7 +10,12 @@
     ├── NoWorkerAvailableError     no worker serving the model became free in time
     ├── PoolOverloadedError        the wait queue (overall or the trial's share) is full
     ├── WorkerFailedError          the worker reported an error for a request
-    └── RequestCancelledError      the request was cancelled before it finished
+    ├── RequestCancelledError      the request was cancelled before it finished
+    └── WeightsUpdateError         a weight update did not happen; the old weights serve
+        ├── UpdateRefusedError     refused before anything changed (version not newer,
+        │                              another update running, a worker that cannot update)
+        └── UpdateFailedError      a worker could not load or answer: every worker was
+                                       rolled back
 """
 
 
@@ -65,3 +70,20 @@ class WorkerFailedError(RelayError):
 
 class RequestCancelledError(RelayError):
     """The request was cancelled before it finished."""
+
+
+class WeightsUpdateError(RelayError):
+    """A weight update did not happen: every worker serves the weights it served before."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class UpdateRefusedError(WeightsUpdateError):
+    """The update was refused before any worker was asked to do anything."""
+
+
+class UpdateFailedError(WeightsUpdateError):
+    """A worker could not pause, load or answer in time; the update was rolled back."""

@@ -11,6 +11,14 @@ the pool at most ``max_in_flight`` overall. Requests beyond that wait in a bound
 ``FairQueue`` keyed by trial and are served round-robin across trials, so one trial that
 floods the proxy delays only itself. A full queue refuses at once (``PoolOverloadedError``);
 a request that waits longer than ``wait_seconds`` fails (``NoWorkerAvailableError``).
+
+Weights (see ``relay.weights``): the pool knows the policy version its workers serve and
+each worker's own. While a weight update runs the pool is *held*: requests wait in the
+queue (never refused, however long the update takes) and a worker that joins serves
+nothing until it loads the current weights. Every call keeps the version of each stretch
+of tokens it received (``RelayCall.version_spans``): a request preempted by an update
+continues from its tokens on the new weights, and its reply says which tokens came from
+which version.
 """
 
 from __future__ import annotations
@@ -57,6 +65,13 @@ class WorkerLink(Protocol):
     async def close(self, reason: str) -> None: ...
 
 
+class WorkerState(enum.Enum):
+    JOINING = "joining"  # connected, loading the current weights before serving anything
+    SERVING = "serving"
+    UPDATING = "updating"  # in a weight update: paused, loading or committing
+    OUT_OF_SERVICE = "out_of_service"  # could not load the current weights; being closed
+
+
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     worker_id: WorkerId
@@ -67,11 +82,18 @@ class WorkerHandle:
     in_flight: set[RequestId] = field(default_factory=set)
     connected_at: float = field(default_factory=time.time)
     served: int = 0
+    state: WorkerState = WorkerState.SERVING
+    version: int = 0  # the policy version the worker serves
+    weights_path: str | None = None  # the checkpoint it loaded last
+    # Answers awaited from the worker, per (update id, phase).
+    acks: dict[tuple[str, protocol.UpdatePhase], asyncio.Future[protocol.UpdateAck]] = field(
+        default_factory=dict
+    )
 
     def __repr__(self) -> str:
         return (
-            f"<WorkerHandle {self.worker_id} {self.endpoint.state.value} "
-            f"in_flight={len(self.in_flight)}/{self.max_concurrency}>"
+            f"<WorkerHandle {self.worker_id} {self.endpoint.state.value} {self.state.value} "
+            f"v{self.version} in_flight={len(self.in_flight)}/{self.max_concurrency}>"
         )
 
 
@@ -183,6 +205,10 @@ class PoolStats:
     worker_evictions: int = 0  # of the disconnects: heartbeats went unanswered
     rejected_queue_full: int = 0
     rejected_wait_timeout: int = 0
+    preempted: int = 0  # aborted by a weight update and continued on the new weights
+    updates_committed: int = 0  # weight updates every worker took
+    updates_rolled_back: int = 0  # weight updates a worker could not load: none took them
+    out_of_service: int = 0  # workers removed for not serving the current weights
 
 
 # --------------------------------------------------------------------------- events
@@ -216,6 +242,27 @@ class FinishedEvent:
     finish_reason: str
     worker_id: WorkerId
     extra: dict[str, str | int | float]
+
+
+# (version, start, end): the tokens [start, end) of a reply were sampled by ``version``.
+VersionSpan = tuple[int, int, int]
+
+
+def version_spans(segments: Sequence[tuple[int, int]], total: int) -> list[VersionSpan]:
+    """Spans of ``total`` tokens from ``(start, version)`` segments in order: each segment
+    runs to the next one's start (the last to ``total``); empty segments vanish and
+    neighbours of one version merge."""
+    spans: list[VersionSpan] = []
+    for i, (start, version) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else total
+        end = min(end, total)
+        if end <= start:
+            continue
+        if spans and spans[-1][0] == version and spans[-1][2] == start:
+            spans[-1] = (version, spans[-1][1], end)
+        else:
+            spans.append((version, start, end))
+    return spans
 
 
 RelayEvent = TokensEvent | RestartedEvent | ResumedEvent | FinishedEvent
@@ -258,6 +305,9 @@ class RelayCall:
         # Tokens that arrived so far (over every attempt): a re-dispatch continues from them.
         self.received = array("i")
         self.first_token_at: float | None = None  # perf_counter() when tokens first came
+        # (first token, version) of each attempt's tokens: a worker's own report of its
+        # version (in its Done) replaces what the pool assumed when it dispatched.
+        self.segments: list[tuple[int, int]] = []
         self._slot: asyncio.Future[WorkerHandle] | None = None
         # Events not yet taken by ``events()`` and the consumer's wake-up; how many token
         # ids and how many other events are waiting, how many token ids wake the
@@ -288,6 +338,16 @@ class RelayCall:
     def lane(self) -> str:
         """The fair-queue key: the trial (affinity), else the request itself."""
         return self.affinity if self.affinity is not None else self.request_id
+
+    def version_spans(self, total: int | None = None) -> list[VersionSpan]:
+        """Which version sampled which of the call's tokens (the first ``total``)."""
+        return version_spans(self.segments, len(self.received) if total is None else total)
+
+    def _reported(self, extra: dict[str, str | int | float]) -> None:
+        """The worker said which version sampled this attempt's tokens."""
+        version = extra.get(protocol.POLICY_VERSION)
+        if self.segments and isinstance(version, int) and not isinstance(version, bool):
+            self.segments[-1] = (self.segments[-1][0], version)
 
     def generate_message(self) -> protocol.Generate:
         """The frame for the next attempt: the original prompt, or after a lost worker the
@@ -419,6 +479,14 @@ class WorkerPool:
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task[None]] = set()
+        # The policy version the workers serve and the checkpoint it came from (None: the
+        # weights they started with, or a version stamped without a checkpoint).
+        self.version = 0
+        self.weights_path: str | None = None
+        self.held = 0  # weight updates holding the queue (> 0: nothing is dispatched)
+        # Runs when a worker joins behind the pool's version, or the pool learns a newer
+        # version than a worker serves (set by ``relay.weights.WeightSync``).
+        self.on_behind: Callable[[WorkerHandle], None] | None = None
 
     def __repr__(self) -> str:
         return f"<WorkerPool workers={len(self.workers)} in_flight={len(self._calls)}>"
@@ -458,8 +526,48 @@ class WorkerPool:
             await self.remove_worker(old, reason="replaced by a new connection")
         self.workers[handle.worker_id] = handle
         self.stats.worker_joins += 1
-        log.info("worker %s joined with models %s", handle.worker_id, sorted(handle.models))
+        log.info(
+            "worker %s joined with models %s, weights version %d",
+            handle.worker_id,
+            sorted(handle.models),
+            handle.version,
+        )
+        if handle.version > self.version:
+            # Updated through another replica (or before this proxy restarted).
+            self.adopt(handle.version, handle.weights_path)
+        elif handle.version < self.version or self.held:
+            # Behind, or an update is running: it serves once it has the current weights.
+            handle.state = WorkerState.JOINING
+            if self.on_behind is not None:
+                self.on_behind(handle)
         await self._notify()
+
+    def adopt(self, version: int, path: str | None) -> None:
+        """A newer version than this pool's is served (a worker says so): it becomes the
+        pool's, and workers behind it are brought up to it."""
+        if version <= self.version:
+            return
+        log.info("weights version %d adopted (%s)", version, path or "no checkpoint")
+        self.version, self.weights_path = version, path
+        for handle in self.workers.values():
+            if handle.version < version and handle.state is WorkerState.SERVING:
+                handle.state = WorkerState.JOINING
+                if self.on_behind is not None:
+                    self.on_behind(handle)
+
+    def serve(self, handle: WorkerHandle) -> None:
+        """A worker that joined or was updated serves again (its slots are handed out)."""
+        if self.workers.get(handle.worker_id) is handle:
+            handle.state = WorkerState.SERVING
+            self._pump()
+
+    def hold(self) -> None:
+        """Dispatch nothing until ``release`` (a weight update is running)."""
+        self.held += 1
+
+    def release(self) -> None:
+        self.held -= 1
+        self._pump()
 
     async def disconnect_all(self, reason: str) -> None:
         """Close every worker's connection (the proxy is shutting down); the endpoint's
@@ -480,6 +588,9 @@ class WorkerPool:
         if evicted:
             self.stats.worker_evictions += 1
         handle.endpoint.close()
+        for ack in handle.acks.values():
+            if not ack.done():
+                ack.set_exception(WorkerFailedError("worker_lost", f"worker left: {reason}"))
         lost = [self._calls[r] for r in handle.in_flight if r in self._calls]
         handle.in_flight.clear()
         log.warning(
@@ -599,12 +710,17 @@ class WorkerPool:
         call._slot = slot
         self._queue.push(call.lane, call, front=front)
         self._pump()
-        if not slot.done():  # no free slot now: wait in line
+        while not slot.done():  # no free slot now: wait in line
             try:
                 await asyncio.wait({slot}, timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.CancelledError:
                 self._abandon(call, slot)
                 raise
+            if slot.done() or not self._holding(call):
+                break
+            # Held by a weight update: requests wait for it, however long it takes, and
+            # then have the usual time to find a worker.
+            deadline = time.monotonic() + self.wait_seconds
         if slot.done():
             return slot.result()  # raises RequestCancelledError when cancelled meanwhile
         self._abandon(call, slot)
@@ -623,8 +739,19 @@ class WorkerPool:
                 call.state = RequestState.QUEUED
             self._pump()
 
+    def _holding(self, call: RelayCall) -> bool:
+        """Whether ``call`` waits for a weight update rather than for a free worker: the
+        pool is held, or a worker for its model is joining or updating."""
+        return bool(self.held) or any(
+            h.state in (WorkerState.JOINING, WorkerState.UPDATING)
+            for h in self.workers.values()
+            if call.model in h.models
+        )
+
     def _pump(self) -> None:
         """Hand free worker slots to waiting calls, round-robin across trials."""
+        if self.held:
+            return
         cap = self.limits.max_in_flight
         while len(self._queue):
             if cap and self.running >= cap:
@@ -637,6 +764,7 @@ class WorkerPool:
             call.worker_id = handle.worker_id
             call.state = RequestState.RUNNING
             call.started_at = time.perf_counter()
+            call.segments.append((len(call.received), handle.version))
             handle.in_flight.add(call.request_id)
             assert call._slot is not None
             call._slot.set_result(handle)
@@ -645,7 +773,7 @@ class WorkerPool:
         loads = [
             WorkerLoad(h.worker_id, len(h.in_flight), self.capacity(h))
             for h in self.workers.values()
-            if call.model in h.models
+            if call.model in h.models and h.state is WorkerState.SERVING
         ]
         preferred = self._affinity.get(call.affinity) if call.affinity else None
         chosen = choose_worker(loads, preferred)
@@ -694,6 +822,15 @@ class WorkerPool:
             return
         if isinstance(message, protocol.Pong | protocol.Hello):
             return
+        if isinstance(message, protocol.UpdateAck):
+            ack = handle.acks.pop((message.update_id, message.phase), None)
+            if ack is not None and not ack.done():
+                ack.set_result(message)
+            return
+        if isinstance(message, protocol.Weights):
+            handle.version, handle.weights_path = message.version, message.path
+            self.adopt(message.version, message.path)
+            return
         if isinstance(message, protocol.Batch):
             finished = False
             for frame in message.frames:
@@ -719,18 +856,41 @@ class WorkerPool:
             call._push(TokensEvent(ids, protocol.unpack_logprobs(message.logprobs)))
             return False
         handle.in_flight.discard(rid)
+        if isinstance(message, protocol.Done) and message.extra.get(protocol.PREEMPTED):
+            self._preempted(handle, call, message)
+            return True
         self._calls.pop(rid, None)
         if isinstance(message, protocol.Done):
             handle.served += 1
             if message.token_ids:
-                call._push(
-                    TokensEvent(
-                        protocol.unpack_ids(message.token_ids),
-                        protocol.unpack_logprobs(message.logprobs),
-                    )
-                )
+                ids = protocol.unpack_ids(message.token_ids)
+                call.received.extend(ids)
+                call._push(TokensEvent(ids, protocol.unpack_logprobs(message.logprobs)))
+            call._reported(message.extra)
             call._transition(RequestState.FINISHED)
             call._push(FinishedEvent(message.finish_reason, handle.worker_id, dict(message.extra)))
         else:
             self._fail(call, WorkerFailedError(message.code, message.message))
         return True
+
+    def _preempted(self, handle: WorkerHandle, call: RelayCall, done: protocol.Done) -> None:
+        """A weight update aborted the request: it continues from its tokens, on the new
+        weights (it waits in the queue, at the front, while the update holds the pool)."""
+        if done.token_ids:
+            ids = protocol.unpack_ids(done.token_ids)
+            call.received.extend(ids)
+            call._push(TokensEvent(ids, protocol.unpack_logprobs(done.logprobs)))
+        call._reported(done.extra)
+        call.state = RequestState.QUEUED
+        call.worker_id = None
+        call.attempts -= 1  # a preemption is no failed attempt
+        if len(call.received) >= call.sampling.max_tokens:
+            self._calls.pop(call.request_id, None)
+            call._transition(RequestState.FINISHED)
+            call._push(FinishedEvent("length", handle.worker_id, dict(done.extra)))
+            return
+        self.stats.preempted += 1
+        call._push(ResumedEvent("weights update", len(call.received)))
+        task = asyncio.get_running_loop().create_task(self._redispatch(call))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

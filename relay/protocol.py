@@ -20,13 +20,28 @@ Conversation::
       | <------------- Cancel(request_id) ----------------- |   (agent went away)
       | <-> Ping / Pong (either side, liveness) <---------> |
 
+    weight update (version 3), one round per phase, each answered by UpdateAck:
+      | <------------- Pause(update_id, mode) ------------- |   hold new requests; drain or abort
+      | <------------- Load(update_id, version, path) ----- |   read and check the checkpoint
+      | <------------- Commit(update_id) | Rollback -------- |   serve it as `version`, or not
+      | -- UpdateAck(update_id, phase, ok, message) ------> |
+      | -- Weights(version, path) ------------------------> |   the engine serves new weights
+                                                                (to every proxy it serves)
+
 States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
 endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
 state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
 
 Versions: a proxy speaks every version in ``SUPPORTED_VERSIONS`` and welcomes a worker in
 the version of its hello; a worker sends ``Batch`` only when welcomed in version 2. So a
-proxy upgraded first keeps serving the workers that are not yet upgraded.
+proxy upgraded first keeps serving the workers that are not yet upgraded. Weight updates
+need version 3 on both sides: a proxy refuses an update while an older worker is connected
+(it could not be brought to the new weights).
+
+Policy versions: ``Hello`` says which weights the worker serves (``policy_version``, and the
+checkpoint ``weights_path`` it loaded last); a ``Done`` carries the version that sampled its
+request's tokens in ``extra["policy_version"]``, and ``extra["preempted"]`` when the request
+was aborted by a weight update (the proxy continues it from its tokens on the new weights).
 """
 
 from __future__ import annotations
@@ -40,9 +55,14 @@ import msgspec
 
 from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 BATCH_VERSION = 2  # the first version with Batch frames
+WEIGHTS_VERSION = 3  # the first version with weight updates
+
+# Keys of ``Done.extra`` this protocol gives a meaning to.
+POLICY_VERSION = "policy_version"  # the weights version that sampled the request's tokens
+PREEMPTED = "preempted"  # 1: aborted by a weight update, to be continued on the new weights
 
 _LITTLE = sys.byteorder == "little"
 
@@ -116,6 +136,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     token: str
     models: list[ModelInfo]
     max_concurrency: int = 8
+    # The weights the worker serves: their version (0: the ones it started with) and the
+    # checkpoint it loaded them from (None: its startup model, or stamped without a path).
+    policy_version: int = 0
+    weights_path: str | None = None
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
@@ -169,6 +193,67 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
     request_id: str
 
 
+class PauseMode(enum.StrEnum):
+    """How a weight update treats requests that are running when it starts."""
+
+    WAIT = "wait"  # they finish on the old weights first; no reply spans two versions
+    ABORT = "abort"  # they stop now and continue from their tokens on the new weights
+
+
+class UpdatePhase(enum.StrEnum):
+    PAUSED = "paused"  # nothing runs; new requests wait in the worker
+    LOADED = "loaded"  # the checkpoint was read and checked; still serving nothing
+    COMMITTED = "committed"  # the new weights serve, as the new version
+    ROLLED_BACK = "rolled_back"  # the old weights serve again, as the old version
+
+
+class Pause(msgspec.Struct, frozen=True, tag="pause"):
+    """Phase 1 of a weight update: hold new requests, finish or abort running ones."""
+
+    update_id: str
+    mode: PauseMode = PauseMode.WAIT
+
+
+class Load(msgspec.Struct, frozen=True, tag="load"):
+    """Phase 2: read ``path`` (a Hugging Face model directory) and check it fits the
+    engine, without serving it yet; None loads nothing (the trainer updated the engine
+    itself, the version is only stamped)."""
+
+    update_id: str
+    version: int
+    path: str | None = None
+
+
+class Commit(msgspec.Struct, frozen=True, tag="commit"):
+    """Phase 3: serve the loaded weights as the new version."""
+
+    update_id: str
+
+
+class Rollback(msgspec.Struct, frozen=True, tag="rollback"):
+    """Phase 3 when another worker failed: drop what was loaded, serve the old weights."""
+
+    update_id: str
+
+
+class UpdateAck(msgspec.Struct, frozen=True, tag="update_ack"):
+    """A worker's answer to one phase (``ok=False`` with the reason in ``message``)."""
+
+    update_id: str
+    phase: UpdatePhase
+    ok: bool = True
+    version: int = 0  # the version the worker serves (or will, once committed)
+    message: str = ""
+
+
+class Weights(msgspec.Struct, frozen=True, tag="weights"):
+    """The worker's engine serves other weights now (sent on every connection, so every
+    proxy replica learns a version that one of them committed)."""
+
+    version: int
+    path: str | None = None
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     nonce: int
 
@@ -177,9 +262,28 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
     nonce: int
 
 
-WorkerMessage = Hello | Delta | Done | Error | Batch | Ping | Pong
-ProxyMessage = Welcome | Generate | Cancel | Error | Ping | Pong
-Message = Hello | Welcome | Generate | Delta | Done | Error | Batch | Cancel | Ping | Pong
+UpdateMessage = Pause | Load | Commit | Rollback
+
+WorkerMessage = Hello | Delta | Done | Error | Batch | UpdateAck | Weights | Ping | Pong
+ProxyMessage = Welcome | Generate | Cancel | Error | Pause | Load | Commit | Rollback | Ping | Pong
+Message = (
+    Hello
+    | Welcome
+    | Generate
+    | Delta
+    | Done
+    | Error
+    | Batch
+    | Cancel
+    | Pause
+    | Load
+    | Commit
+    | Rollback
+    | UpdateAck
+    | Weights
+    | Ping
+    | Pong
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _worker_decoder: msgspec.msgpack.Decoder[WorkerMessage] = msgspec.msgpack.Decoder(WorkerMessage)
@@ -207,6 +311,9 @@ def decode_proxy_message(data: bytes) -> ProxyMessage:
 
 
 # --------------------------------------------------------------------------- state
+
+
+_FINAL_PHASES = frozenset({UpdatePhase.COMMITTED, UpdatePhase.ROLLED_BACK})
 
 
 class ConnectionState(enum.Enum):
@@ -243,6 +350,24 @@ class ProxyEndpoint(_Endpoint):
         # Requests cancelled by the proxy whose Done/Error has not arrived yet: their late
         # deltas are legal and dropped.
         self.cancelled: set[str] = set()
+        self.updates: set[str] = set()  # weight updates sent and not finished
+
+    @property
+    def can_update(self) -> bool:
+        """Whether this worker speaks weight updates."""
+        return self.version >= WEIGHTS_VERSION
+
+    def update(self, message: UpdateMessage) -> bytes:
+        """Encode one phase of a weight update for this worker."""
+        self._require(ConnectionState.OPEN, type(message).__name__.lower())
+        self._require_weights(type(message).__name__)
+        if isinstance(message, Pause):
+            if message.update_id in self.updates:
+                raise IllegalTransitionError(f"update {message.update_id!r} already started")
+            self.updates.add(message.update_id)
+        elif message.update_id not in self.updates:
+            raise IllegalTransitionError(f"update {message.update_id!r} was not started")
+        return encode(message)
 
     def receive(self, data: bytes) -> WorkerMessage:
         """Decode and check a frame from the worker (every frame of a batch)."""
@@ -268,7 +393,18 @@ class ProxyEndpoint(_Endpoint):
             isinstance(message, Error) and message.request_id is not None
         ):
             self._check_request_frame(message)
+        elif isinstance(message, UpdateAck | Weights):
+            self._require_weights(type(message).__name__)
+            if isinstance(message, UpdateAck):
+                if message.update_id not in self.updates:
+                    raise IllegalTransitionError(f"ack for unknown update {message.update_id!r}")
+                if message.phase in _FINAL_PHASES:
+                    self.updates.discard(message.update_id)
         return message
+
+    def _require_weights(self, what: str) -> None:
+        if self.version < WEIGHTS_VERSION:
+            raise IllegalTransitionError(f"{what} needs protocol {WEIGHTS_VERSION}")
 
     def _check_request_frame(self, message: RequestFrame) -> None:
         request_id = message.request_id
@@ -328,7 +464,18 @@ class WorkerEndpoint(_Endpoint):
             if message.request_id in self.in_flight:
                 raise IllegalTransitionError(f"request {message.request_id!r} already running")
             self.in_flight.add(message.request_id)
+        elif isinstance(message, Pause | Load | Commit | Rollback) and (
+            self.version < WEIGHTS_VERSION
+        ):
+            raise IllegalTransitionError(f"weight updates need protocol {WEIGHTS_VERSION}")
         return message
+
+    def control(self, message: UpdateAck | Weights) -> bytes:
+        """Encode a weight-update answer or notice (protocol 3 only)."""
+        self._require(ConnectionState.OPEN, type(message).__name__.lower())
+        if self.version < WEIGHTS_VERSION:
+            raise IllegalTransitionError(f"weight updates need protocol {WEIGHTS_VERSION}")
+        return encode(message)
 
     def finish(self, message: Done | Error) -> bytes:
         """Encode the final message of a request and forget it."""

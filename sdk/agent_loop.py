@@ -232,12 +232,7 @@ class RemoteAgentLoop:
                 keep_undelivered=cfg.keep_undelivered,
             )
             if not samples:
-                attempt.error = (
-                    f"every trajectory's prompt is over max_prompt_tokens="
-                    f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"
-                    if export.get("trajectories")
-                    else "the agent made no model call through the proxy"
-                )
+                attempt.error = _why_no_samples(export, cfg)
                 return None
             attempt.advance(AttemptState.COLLECTED)
             timings = {
@@ -282,3 +277,14 @@ class RemoteAgentLoop:
                 attempt.error = f"delete failed: {exc}"
             return
         attempt.advance(AttemptState.DELETED)
+
+
+def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig) -> str:
+    if not export.get("trajectories"):
+        return "the agent made no model call through the proxy"
+    if not build_samples(export, keep_undelivered=cfg.keep_undelivered):
+        return "no reply reached the agent: every turn was undelivered or superseded by a retry"
+    return (
+        f"every trajectory's prompt is over max_prompt_tokens="
+        f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"
+    )

@@ -100,10 +100,19 @@ class ProxyClient(HttpClient):
             return await self._request(method, path, payload)
 
     async def _request(
-        self, method: str, path: str, payload: Any = None, *, base: str | None = None
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        base: str | None = None,
+        total_seconds: float | None = None,
     ) -> Any:
+        options: dict[str, Any] = {"json": payload, "ssl": self._ssl}
+        if total_seconds is not None:
+            options["timeout"] = aiohttp.ClientTimeout(total=total_seconds)
         async with self._session().request(
-            method, f"{base or self.proxy_url}{path}", json=payload, ssl=self._ssl
+            method, f"{base or self.proxy_url}{path}", **options
         ) as response:
             data = await response.json(content_type=None)
             if response.status >= 400:
@@ -173,6 +182,29 @@ class ProxyClient(HttpClient):
     async def list_sessions(self, *, limit: int = 100, after: str | None = None) -> dict[str, Any]:
         query = f"?limit={limit}" + (f"&after={after}" if after else "")
         result: dict[str, Any] = await self._request("GET", f"/sessions{query}")
+        return result
+
+    async def update_weights(
+        self, version: int, path: str | None = None, mode: str = "wait"
+    ) -> dict[str, Any]:
+        """Every connected worker serves ``version``, loaded from the Hugging Face model
+        directory ``path`` (written by the trainer where the workers can read it; None:
+        the trainer updated the engines itself and the version is only stamped). Returns
+        once they all do. ``mode``: ``"wait"`` lets running replies finish on the old
+        weights first, ``"abort"`` stops them and continues them on the new weights. On
+        any error every worker still serves the previous version."""
+        payload: dict[str, Any] = {"version": version, "mode": mode}
+        if path is not None:
+            payload["path"] = str(path)
+        # Loading a checkpoint on every worker takes longer than a session call.
+        result: dict[str, Any] = await self._request(
+            "POST", "/weights", payload, total_seconds=max(self._timeout.total or 0.0, 900.0)
+        )
+        return result
+
+    async def weights(self) -> dict[str, Any]:
+        """The policy version the workers serve, and each worker's."""
+        result: dict[str, Any] = await self._request("GET", "/weights")
         return result
 
     async def ready(self) -> bool:

@@ -7,7 +7,7 @@ the check a trainer relies on: if it holds, the PPO ratio at the first step is e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,35 @@ def check_fidelity(export: dict[str, Any], score: Scorer) -> FidelityReport:
                 continue
             sampled += 1
             err = abs(recorded - actual)
+            if err > worst or where is None:
+                worst, where = max(worst, err), (t, i)
+    return FidelityReport(len(trajectories), sampled, worst, where)
+
+
+def check_fidelity_by_version(
+    export: dict[str, Any], scorers: Mapping[int, Scorer]
+) -> FidelityReport:
+    """``check_fidelity`` for trajectories sampled by several policy versions: each sampled
+    token is scored by the model of the version that sampled it (``response_versions``);
+    ``scorers`` maps a version to its model's scorer."""
+    worst = 0.0
+    where: tuple[int, int] | None = None
+    sampled = 0
+    trajectories = export["trajectories"]
+    for t, traj in enumerate(trajectories):
+        versions = traj["response_versions"]
+        needed = {v for v, m in zip(versions, traj["response_mask"], strict=True) if m}
+        missing = needed - scorers.keys()
+        if missing:
+            raise ValueError(f"no scorer for versions {sorted(missing)}")
+        expected = {v: scorers[v](traj["prompt_ids"], traj["response_ids"]) for v in needed}
+        for i, (m, recorded) in enumerate(
+            zip(traj["response_mask"], traj["response_logprobs"], strict=True)
+        ):
+            if not m:
+                continue
+            sampled += 1
+            err = abs(recorded - expected[versions[i]][i])
             if err > worst or where is None:
                 worst, where = max(worst, err), (t, i)
     return FidelityReport(len(trajectories), sampled, worst, where)

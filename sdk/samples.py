@@ -30,6 +30,21 @@ left. ``overlong_prompt`` says what happens instead:
   ``max_prompt_tokens`` ids so it fits; ``prompt_truncated`` says so. For trainers that
   need one sample per rollout (the verl adapter).
 
+Policy versions: every sample carries ``response_versions``, aligned with
+``response_ids``: the weights version that sampled each token, -1 where the mask is 0
+(``min_version`` / ``max_version`` over the sampled tokens). With ``current_version`` (the
+version the trainer is about to update from) a staleness limit applies: a sampled token
+more than ``max_staleness`` versions older than it (default 1: one step off-policy, what
+asynchronous trainers bound by default) is stale. ``stale`` says what happens then:
+
+* ``mask`` (default): the stale tokens are masked (they stay as context), fresher tokens
+  of the same sample still train, so a long episode that spans updates is not lost.
+* ``drop``: a sample with any stale token is dropped (sample-level staleness, as replay
+  buffers bounded by an off-policy threshold do).
+
+Without ``current_version`` nothing is stale (a synchronous trainer samples each batch
+with the weights it trains).
+
 Only what the agent received is trained: a turn whose reply never reached the client
 (``delivered: false``: the client left mid-reply, or the proxy died between recording the
 reply and writing it) or that a retry replaced (another turn's ``retry_of``) is left out,
@@ -61,6 +76,14 @@ class OverlongPrompt(enum.StrEnum):
     MASK = "mask"
 
 
+class StaleTokens(enum.StrEnum):
+    MASK = "mask"
+    DROP = "drop"
+
+
+DEFAULT_MAX_STALENESS = 1
+
+
 @dataclass(slots=True)
 class Sample:
     trial_id: str
@@ -74,10 +97,25 @@ class Sample:
     prompt_truncated: bool = False
     response_truncated: bool = False
     turns: list[dict[str, Any]] = field(default_factory=list)
+    # Per response token, the version of the weights that sampled it (-1: mask 0).
+    response_versions: list[int] = field(default_factory=list)
+    stale_tokens: int = 0  # sampled tokens masked for being older than the limit
 
     @property
     def sampled_tokens(self) -> int:
         return sum(self.response_mask)
+
+    @property
+    def min_version(self) -> int | None:
+        """The oldest weights that sampled a trained token (None: no token trains)."""
+        trained = [v for v, m in zip(self.response_versions, self.response_mask, strict=True) if m]
+        return min(trained) if trained else None
+
+    @property
+    def max_version(self) -> int | None:
+        """The newest weights that sampled a trained token (None: no token trains)."""
+        trained = [v for v, m in zip(self.response_versions, self.response_mask, strict=True) if m]
+        return max(trained) if trained else None
 
     @property
     def policy_versions(self) -> list[int | None]:
@@ -107,6 +145,9 @@ def build_samples(
     max_response_tokens: int | None = None,
     shared_turns: SharedTurns = SharedTurns.ONCE,
     overlong_prompt: OverlongPrompt = OverlongPrompt.DROP,
+    current_version: int | None = None,
+    max_staleness: int = DEFAULT_MAX_STALENESS,
+    stale: StaleTokens = StaleTokens.MASK,
     keep_undelivered: bool = False,
 ) -> list[Sample]:
     trajectories: list[dict[str, Any]] = export.get("trajectories", [])
@@ -128,6 +169,7 @@ def build_samples(
         response = list(traj["response_ids"])
         mask = list(traj["response_mask"])
         logprobs = list(traj["response_logprobs"])
+        versions = _versions(traj, len(response))
         if owners is not None:
             for turn in traj["turns"]:
                 if owners[turn["turn"]] != branch:  # trained in another trajectory
@@ -148,6 +190,18 @@ def build_samples(
             response = response[:max_response_tokens]
             mask = mask[:max_response_tokens]
             logprobs = logprobs[:max_response_tokens]
+            versions = versions[:max_response_tokens]
+        stale_tokens = 0
+        if current_version is not None:
+            oldest = current_version - max_staleness
+            stale_at = [
+                i for i, (v, m) in enumerate(zip(versions, mask, strict=True)) if m and v < oldest
+            ]
+            if stale_at and stale is StaleTokens.DROP:
+                continue
+            for i in stale_at:
+                mask[i] = 0
+            stale_tokens = len(stale_at)
         samples.append(
             Sample(
                 trial_id=str(export.get("trial_id", "")),
@@ -161,9 +215,26 @@ def build_samples(
                 prompt_truncated=prompt_truncated,
                 response_truncated=response_truncated,
                 turns=list(traj["turns"]),
+                response_versions=[v if m else -1 for v, m in zip(versions, mask, strict=True)],
+                stale_tokens=stale_tokens,
             )
         )
     return samples
+
+
+def _versions(traj: dict[str, Any], length: int) -> list[int]:
+    """The trajectory's ``response_versions``; an export from before versions were kept
+    per token gets each turn's ``extra["policy_version"]`` (0 when it has none)."""
+    versions = traj.get("response_versions")
+    if versions is not None:
+        return list(versions)
+    out = [-1] * length
+    for turn in traj["turns"]:
+        value = (turn.get("extra") or {}).get("policy_version", 0)
+        version = int(value) if isinstance(value, int | float) else 0
+        for i in range(turn["response_start"], turn["response_end"]):
+            out[i] = version
+    return out
 
 
 def _owners(trajectories: list[dict[str, Any]]) -> dict[int, int]:

@@ -197,13 +197,14 @@ def trial_sampling(
 
 
 def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
-    versions = [v for v in sample.policy_versions if v is not None]
+    # verl's staleness fields (its trainer logs trajectory_staleness from them, its replay
+    # buffer bounds them): the oldest and newest weights that sampled a trained token.
     extra = {
         "trial_id": result.trial_id,
         "attempts": len(result.attempts),
         "policy_versions": sample.policy_versions,
-        "min_global_steps": min(versions) if versions else None,
-        "max_global_steps": max(versions) if versions else None,
+        "min_global_steps": sample.min_version,
+        "max_global_steps": sample.max_version,
         "prompt_truncated": sample.prompt_truncated,
         "response_truncated": sample.response_truncated,
     }

@@ -28,8 +28,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from relay import protocol
 from relay.exceptions import ProtocolError
 from worker_client.engine import Engine, SamplingParams
-from worker_client.exceptions import ConnectionRefusedByProxy, EngineError, PromptTooLongError
+from worker_client.exceptions import (
+    ConnectionRefusedByProxy,
+    EngineError,
+    PromptTooLongError,
+    WeightsError,
+)
 from worker_client.outbox import Outbox
+from worker_client.policy import VersionedEngine, WorkerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +89,15 @@ def backoff_delay(
 
 @dataclass(slots=True)
 class ServedModel:
-    engine: Engine
+    """A model this worker serves. Its engine is wrapped in a ``VersionedEngine`` (pause,
+    load weights, resume on a new version) unless it is one already."""
+
+    engine: VersionedEngine
     tokenizer_dir: Path
+
+    def __init__(self, engine: Engine | VersionedEngine, tokenizer_dir: Path) -> None:
+        self.engine = engine if isinstance(engine, VersionedEngine) else VersionedEngine(engine)
+        self.tokenizer_dir = Path(tokenizer_dir)
 
 
 class WorkerClient:
@@ -102,12 +115,14 @@ class WorkerClient:
         ssl_context: ssl.SSLContext | None = None,
         connect_host: str | None = None,
         admission: Mapping[str, asyncio.Semaphore] | None = None,
+        policy: WorkerPolicy | None = None,
     ) -> None:
         """``connect_host``: the address to connect to instead of the URL's host (one
         replica behind a name that resolves to several; the URL's host still names the
         server for TLS). ``admission``: per model, the limit on requests running on its
         engine, shared by every connection of this worker process (``WorkerFleet``); by
-        default this connection's own, ``max_concurrency`` each."""
+        default this connection's own, ``max_concurrency`` each. ``policy``: the weights
+        of this worker process, likewise shared (by default this connection's own)."""
         if not models:
             raise ValueError("a worker needs at least one model")
         self.proxy_url = proxy_url
@@ -124,6 +139,7 @@ class WorkerClient:
             if admission is not None
             else {name: asyncio.Semaphore(max_concurrency) for name in models}
         )
+        self.policy = policy or WorkerPolicy([m.engine for m in self.models.values()])
         self.connected = asyncio.Event()
         self._rng = random.Random()
         self._hello_models = [
@@ -189,6 +205,8 @@ class WorkerClient:
             token=self.token,
             models=self._hello_models,
             max_concurrency=self.max_concurrency,
+            policy_version=self.policy.version,
+            weights_path=self.policy.path,
         )
         await ws.send(endpoint.hello(hello))
         first = endpoint.receive(_as_bytes(await ws.recv()))
@@ -200,6 +218,8 @@ class WorkerClient:
         outbox = Outbox(endpoint)
         sender = asyncio.create_task(outbox.run(ws.send), name=f"{self.worker_id}-sender")
         sender.add_done_callback(functools.partial(_close_on_failure, ws))
+        updates = _UpdateDriver(self.policy, endpoint, outbox)
+        stop_listening = self.policy.listen(updates.announce)
         try:
             async for data in ws:
                 try:
@@ -222,7 +242,13 @@ class WorkerClient:
                     outbox.control(protocol.encode(protocol.Pong(message.nonce)))
                 elif isinstance(message, protocol.Error):
                     log.warning("proxy reported: %s: %s", message.code, message.message)
+                elif isinstance(
+                    message, protocol.Pause | protocol.Load | protocol.Commit | protocol.Rollback
+                ):
+                    updates.start(message)
         finally:
+            stop_listening()
+            await updates.close()
             for task in list(running.values()):
                 task.cancel()
             for task in list(running.values()):
@@ -295,6 +321,84 @@ class WorkerClient:
         raise EngineError("engine stream ended without a finish reason")
 
 
+class _UpdateDriver:
+    """One connection's side of weight updates: each phase the proxy asks for runs as its
+    own task (a pause waits for running requests, which this connection keeps serving)
+    and is answered with an ``UpdateAck``. The update this connection started is rolled
+    back if the connection ends before it is committed."""
+
+    def __init__(
+        self, policy: WorkerPolicy, endpoint: protocol.WorkerEndpoint, outbox: Outbox
+    ) -> None:
+        self.policy = policy
+        self.endpoint = endpoint
+        self.outbox = outbox
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.started: set[str] = set()  # updates begun on this connection
+
+    def start(self, message: protocol.UpdateMessage) -> None:
+        task = asyncio.create_task(self._run(message))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, message: protocol.UpdateMessage) -> None:
+        update_id = message.update_id
+        phase: protocol.UpdatePhase
+        try:
+            if isinstance(message, protocol.Pause):
+                phase = protocol.UpdatePhase.PAUSED
+                self.started.add(update_id)
+                await self.policy.pause(update_id, message.mode)
+                version = self.policy.version
+            elif isinstance(message, protocol.Load):
+                phase = protocol.UpdatePhase.LOADED
+                await self.policy.load(update_id, message.version, message.path)
+                version = message.version
+            elif isinstance(message, protocol.Commit):
+                phase = protocol.UpdatePhase.COMMITTED
+                version = await self.policy.commit(update_id)
+                self.started.discard(update_id)
+            else:
+                phase = protocol.UpdatePhase.ROLLED_BACK
+                self.started.discard(update_id)
+                await self.policy.rollback(update_id)
+                version = self.policy.version
+        except Exception as exc:  # answered, never raised: the proxy decides what follows
+            if self._finished(update_id, phase):
+                return
+            if not isinstance(exc, WeightsError):
+                log.exception("weight update %s failed", update_id)
+            self._send(protocol.UpdateAck(update_id, phase, False, self.policy.version, str(exc)))
+            return
+        if not self._finished(update_id, phase):
+            self._send(protocol.UpdateAck(update_id, phase, True, version))
+
+    def _finished(self, update_id: str, phase: protocol.UpdatePhase) -> bool:
+        """Whether a pause ended after its update was rolled back (the proxy gave up
+        waiting for it): the proxy has forgotten the update, so an answer would be a
+        protocol error."""
+        return phase is protocol.UpdatePhase.PAUSED and update_id not in self.started
+
+    def _send(self, message: protocol.UpdateAck | protocol.Weights) -> None:
+        if self.endpoint.state is protocol.ConnectionState.OPEN:
+            self.outbox.control(self.endpoint.control(message))
+
+    def announce(self, version: int, path: str | None) -> None:
+        """The engines serve a new version (committed through any connection): every
+        proxy this worker serves hears of it."""
+        if self.endpoint.version >= protocol.WEIGHTS_VERSION:
+            self._send(protocol.Weights(version, path))
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for update_id in self.started:
+            # The proxy that paused us is gone: serve the old weights again.
+            await self.policy.rollback(update_id)
+
+
 def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:
     """A sender that cannot write ends the connection, so the worker reconnects."""
     if not sender.cancelled() and sender.exception() is not None:
@@ -302,8 +406,10 @@ def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:
         ws.transport.abort()
 
 
-def _forget(running: dict[str, asyncio.Task[None]], rid: str, _task: object) -> None:
-    running.pop(rid, None)
+def _forget(running: dict[str, asyncio.Task[None]], rid: str, task: object) -> None:
+    # Only this task: a request continued after a weight update reuses its id.
+    if running.get(rid) is task:
+        del running[rid]
 
 
 def _as_bytes(data: str | bytes) -> bytes:

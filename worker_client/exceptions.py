@@ -6,6 +6,8 @@
     ├── EngineError                 an engine failed to serve a request
     │   ├── PromptTooLongError      prompt + max_tokens exceed the context window
     │   └── EngineUnavailableError  the backend cannot start (missing GPU, package, model)
+    ├── WeightsError                a weight update cannot be done (the checkpoint does not
+    │                                   load, the backend cannot load, another update runs)
     └── ConnectionRefusedByProxy    the proxy rejected the hello (auth, protocol version)
 """
 
@@ -24,6 +26,10 @@ class PromptTooLongError(EngineError):
 
 class EngineUnavailableError(EngineError):
     """The backend cannot be started here."""
+
+
+class WeightsError(WorkerError):
+    """A weight update cannot be done; the weights served before stay served."""
 
 
 class ConnectionRefusedByProxy(WorkerError):

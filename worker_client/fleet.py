@@ -8,7 +8,9 @@ address its name resolves to. Names are resolved again every
 
 The engines are shared: each has one admission limit (``max_concurrency`` requests
 running at once) across all connections, not one per socket, so N replicas cannot push
-N times the engine's capacity onto it; a request over the limit waits in the worker.
+N times the engine's capacity onto it; a request over the limit waits in the worker. The
+weights are shared too (one ``WorkerPolicy``): a weight update through one replica pauses
+the engine for every replica, and every replica is told the new version.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 
 from worker_client.client import ServedModel, WorkerClient, default_worker_id
 from worker_client.exceptions import ConnectionRefusedByProxy
+from worker_client.policy import WorkerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +70,10 @@ class WorkerFleet:
         self.ssl_context = ssl_context
         self.resolve_seconds = resolve_seconds
         self.resolver = resolver
-        # Shared by every connection: one limit per engine.
+        # Shared by every connection: one limit per engine, one set of weights (an update
+        # through any replica reaches the engines every replica is served by).
         self.admission = {name: asyncio.Semaphore(max_concurrency) for name in self.models}
+        self.policy = WorkerPolicy([m.engine for m in self.models.values()])
         self.worker_id = worker_id or default_worker_id()
         self.clients: dict[Target, WorkerClient] = {}
         self._tasks: dict[Target, asyncio.Task[None]] = {}
@@ -120,6 +125,7 @@ class WorkerFleet:
                 ssl_context=self.ssl_context(url),
                 connect_host=address,
                 admission=self.admission,
+                policy=self.policy,
             )
             self.clients[target] = client
             self._tasks[target] = asyncio.create_task(client.run(), name=_label(target))

@@ -5,9 +5,13 @@ actor's own event loop. ``WorkerActorGroup.start`` reserves one placement-group 
 actor (``gpus_per_worker`` GPUs and ``cpus_per_worker`` CPUs each; ``strategy`` ``PACK``
 keeps them together, ``STRICT_SPREAD`` gives one per node) and starts the actors there.
 
-Weight sync across the group: ``pause(abort_in_flight=...)`` on every actor (new requests
-wait; running ones finish or are aborted), update the weights, then ``resume(version)``:
-every later turn records the new version (see ``worker_client.policy``).
+Weight sync across the group, in process (the same phases a proxy drives over the relay,
+``worker_client.policy``): ``update_weights(version, path, mode)`` pauses every actor (new
+requests wait; running ones finish, or with ``mode="abort"`` stop and are continued by the
+proxy on the new weights), has every actor read and check the checkpoint at ``path``, then
+commits on all of them, or rolls all of them back if any could not load. Every proxy the
+actors serve is told the new version. For a trainer that updates the engines itself (verl
+does), ``pause`` and ``resume(version)`` only hold the requests and stamp the version.
 
 Ray is imported lazily: it is an optional dependency (``rollout-relay[ray]``). Ray's own
 errors are translated to ``WorkerError`` subclasses here.
@@ -23,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.protocol import PauseMode
 from worker_client.client import ServedModel, WorkerClient
 from worker_client.engine import Engine, LogprobsMode
-from worker_client.exceptions import EngineUnavailableError, WorkerError
+from worker_client.exceptions import EngineUnavailableError, WeightsError, WorkerError
 from worker_client.policy import VersionedEngine
 
 
@@ -78,6 +83,7 @@ class WorkerActor:
             max_concurrency=max_concurrency,
         )
         self._task: asyncio.Task[None] | None = None
+        self._update: str | None = None  # the update this actor was paused for
 
     async def start(self, within_seconds: float = 60.0) -> str:
         """Dial the proxy; return this worker's id once connected."""
@@ -98,10 +104,36 @@ class WorkerActor:
         return self.client.worker_id
 
     async def pause(self, abort_in_flight: bool = False) -> None:
-        await self.engine.pause(abort_in_flight=abort_in_flight)
+        """Hold new requests; return once none runs (an update's first phase)."""
+        self._update = f"ray-{time.monotonic_ns()}"
+        mode = PauseMode.ABORT if abort_in_flight else PauseMode.WAIT
+        await self.client.policy.pause(self._update, mode)
+
+    async def load(self, version: int, path: str | None = None) -> None:
+        """Read and check the checkpoint (second phase); raises ``WeightsError``."""
+        if self._update is None:
+            raise WeightsError("load needs pause first")
+        await self.client.policy.load(self._update, version, path)
+
+    async def commit(self) -> int:
+        """Serve what ``load`` read as its version; returns it."""
+        if self._update is None:
+            raise WeightsError("commit needs pause and load first")
+        update, self._update = self._update, None
+        return await self.client.policy.commit(update)
+
+    async def rollback(self) -> None:
+        if self._update is not None:
+            update, self._update = self._update, None
+            await self.client.policy.rollback(update)
 
     async def resume(self, version: int | None = None) -> int:
-        return await self.engine.resume(version)
+        """Serve again after ``pause``, stamped ``version`` (default: the next one)."""
+        target = self.client.policy.version + 1 if version is None else version
+        if self._update is None:
+            await self.pause()
+        await self.load(target)
+        return await self.commit()
 
     async def status(self) -> dict[str, Any]:
         return {
@@ -220,6 +252,31 @@ class WorkerActorGroup:
 
     async def resume(self, version: int) -> None:
         await _get(_import_ray(), [a.resume.remote(version) for a in self.actors])
+
+    async def update_weights(
+        self, version: int, path: str | None = None, mode: str = "wait"
+    ) -> int:
+        """Every actor serves ``version``, loaded from ``path`` (None: stamped only), or
+        none does: a checkpoint any actor cannot load rolls every actor back and raises
+        ``WeightsError``."""
+        ray = _import_ray()
+        await self.pause(abort_in_flight=PauseMode(mode) is PauseMode.ABORT)
+        try:
+            await _get(ray, [a.load.remote(version, path) for a in self.actors])
+        except Exception as exc:
+            await _get(ray, [a.rollback.remote() for a in self.actors])
+            cause = getattr(exc, "cause", None) or exc
+            raise WeightsError(f"weights version {version} did not load: {cause}") from None
+        await _get(ray, [a.commit.remote() for a in self.actors])
+        return version
+
+    async def weights(self) -> dict[str, Any]:
+        """The version each actor serves."""
+        states = await self.status()
+        return {
+            "version": min(s["version"] for s in states),
+            "workers": [{"worker_id": s["worker_id"], "version": s["version"]} for s in states],
+        }
 
     async def status(self) -> list[dict[str, Any]]:
         return list(await _get(_import_ray(), [a.status.remote() for a in self.actors]))

@@ -29,7 +29,7 @@ from proxy.appkeys import CONFIG, MODELS, SESSIONS
 from proxy.auth import AuthPolicy, Verdict, presented_credentials, secret_equal
 from proxy.cluster import CLUSTER, FORWARDED_BY
 from proxy.exceptions import AuthenticationError, BadRequestError, NotFoundError
-from proxy.sessions.model import Session, TurnNode
+from proxy.sessions.model import Session, TurnNode, node_versions
 
 COOKIE = "rr_ui"
 _PARTIAL = "\ufffd"  # what decoding part of a character's bytes gives
@@ -148,6 +148,8 @@ def _turn(node: TurnNode) -> dict[str, Any]:
         "model": meta.model,
         "worker_id": meta.worker_id,
         "policy_version": meta.extra.get("policy_version"),
+        # Every version that sampled the reply, in order (two after an abort-mode update).
+        "policy_versions": [v for v, _, _ in node_versions(node)],
         "queue_seconds": round(meta.queue_seconds, 4),
         "engine_seconds": round(meta.engine_seconds, 4),
         "prompt_tokens": node.prompt_len,

@@ -78,6 +78,10 @@ class TurnMeta(msgspec.Struct, gc=False):
     # Stopped by a max_tokens the agent did not ask for (the session's or the proxy's).
     capped: bool = False
     extra: dict[str, str | int | float] = {}  # msgspec gives each turn its own dict
+    # Which policy version sampled which completion tokens: [version, start, end] spans
+    # over the turn's completion, in order (one span unless a weight update preempted the
+    # reply and it went on with the new weights).
+    versions: list[list[int]] = []
     # Whether the reply's last byte was handed to the client, or a later turn continued it
     # (the agent had it). The proxy records a turn with False and sets it after the commit,
     # so a crash in between leaves False; True by default for turns made elsewhere.
@@ -129,6 +133,19 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
     @property
     def end(self) -> int:
         return self.prompt_len + len(self.completion_ids)
+
+
+def node_versions(node: TurnNode) -> list[tuple[int, int, int]]:
+    """The turn's version spans, covering every completion token: a turn recorded before
+    versions were kept per token falls back to its ``extra["policy_version"]``, else 0
+    (the weights the workers started with)."""
+    n = len(node.completion_ids)
+    spans = [(int(v), int(lo), int(hi)) for v, lo, hi in node.meta.versions]
+    if spans and spans[0][1] == 0 and spans[-1][2] == n:
+        return spans
+    fallback = node.meta.extra.get("policy_version", 0)
+    version = int(fallback) if isinstance(fallback, int | float) else 0
+    return [(version, 0, n)] if n else []
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,16 +259,21 @@ class Session:
         response: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         turns: list[dict[str, Any]] = []
         for i, node in enumerate(path):
             if i > 0:
                 response.extend(node.context_ids)
                 mask.extend([0] * len(node.context_ids))
                 logprobs.extend([0.0] * len(node.context_ids))
+                versions.extend([-1] * len(node.context_ids))
             start = len(response)
             response.extend(node.completion_ids)
             mask.extend([1] * len(node.completion_ids))
             logprobs.extend(node.logprobs)
+            spans = node_versions(node)
+            for version, lo, hi in spans:
+                versions.extend([version] * (hi - lo))
             turns.append(
                 {
                     "turn": node.index,
@@ -261,6 +283,7 @@ class Session:
                     "response_start": start,
                     "response_end": len(response),
                     **node.meta.as_dict(),
+                    "versions": [[v, start + lo, start + hi] for v, lo, hi in spans],
                 }
             )
         return {
@@ -268,6 +291,7 @@ class Session:
             "response_ids": response,
             "response_mask": mask,
             "response_logprobs": logprobs,
+            "response_versions": versions,
             "turns": turns,
         }
 

@@ -7,6 +7,8 @@ cancel). Implementations:
   with the task as a tar.gz), for existing deployments and for the embedded server;
 - ``harbor.HarborLauncherTaskServer``: a real Harbor (0.24.0) through the launcher in
   ``harbor view``;
+- ``inprocess.InProcessTaskServer``: the agent is an async Python callable in the
+  trainer's own process (``sdk.train``'s tool agent);
 - ``server``: the embedded one-machine server (``rollout-relay task-server``), which
   speaks the run-submission API and runs Harbor-format tasks (``tasks``) as local
   processes (``local``).

@@ -230,6 +230,18 @@ SESSION_CREDENTIALS = {
     "admin_token": 0,  # the route's success status
 }
 
+
+def _presented(case: str, trial: TrialSession) -> dict[str, str]:
+    """The headers of one SESSION_CREDENTIALS case."""
+    return {
+        "none": {},
+        "unknown": {"Authorization": "Bearer nope"},
+        "trial_key": {"Authorization": f"Bearer {trial.api_key}"},
+        "worker_token": {"Authorization": f"Bearer {WORKER}"},
+        "admin_token": {"Authorization": f"Bearer {ADMIN}"},
+    }[case]
+
+
 # name, method, path (with {trial}), body, success status
 SESSION_ROUTES: list[tuple[str, str, str, Any, int]] = [
     ("create", "POST", "/sessions", {}, 201),
@@ -255,13 +267,7 @@ async def test_session_api_auth_matrix(
     session) or the worker token is a 403; refusals change nothing."""
     trial = await admin.create_session()
     _, method, path, body, success = route
-    headers = {
-        "none": {},
-        "unknown": {"Authorization": "Bearer nope"},
-        "trial_key": {"Authorization": f"Bearer {trial.api_key}"},
-        "worker_token": {"Authorization": f"Bearer {WORKER}"},
-        "admin_token": {"Authorization": f"Bearer {ADMIN}"},
-    }[case]
+    headers = _presented(case, trial)
     before = (await admin.list_sessions(limit=1000))["sessions"]
     url = secured.running.url + path.format(trial=trial.trial_id)
     status, payload = await _call(http, method, url, headers, body)
@@ -280,6 +286,36 @@ async def test_session_api_auth_matrix(
         ]
     if route[0] != "delete" or expected != success:
         await admin.delete(trial.trial_id)
+
+
+@pytest.mark.parametrize("case", list(SESSION_CREDENTIALS))
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_weights_api_auth_matrix(
+    secured: Secured,
+    admin: ProxyClient,
+    http: aiohttp.ClientSession,
+    method: str,
+    case: str,
+) -> None:
+    """Only the admin token reads or updates the weights; a trial's key or the worker
+    token is a 403, no credential a 401, and a refused update changes no version."""
+    trial = await admin.create_session()
+    headers = _presented(case, trial)
+    before = await admin.weights()
+    body = {"version": before["version"] + 1} if method == "POST" else None
+    status, payload = await _call(http, method, secured.running.url + "/weights", headers, body)
+    await admin.delete(trial.trial_id)
+    expected = SESSION_CREDENTIALS[case] or 200
+    assert status == expected, payload
+    after = await admin.weights()
+    if expected == 200:
+        assert payload["version"] == after["version"]
+        assert after["version"] == before["version"] + (method == "POST")
+    else:
+        assert payload["error"]["type"] == (
+            "authentication_error" if expected == 401 else "permission_error"
+        )
+        assert after == before
 
 
 async def test_sdk_without_admin_token_gets_auth_error(secured: Secured) -> None:

@@ -436,3 +436,40 @@ async def test_the_sdk_falls_back_to_its_replica_when_an_owner_is_out_of_reach(
         assert (await client.get_session(trial_id))["trial_id"] == trial_id
         await client.complete(trial_id, reward=1.0)
         assert (await client.trajectories(trial_id))["reward"] == 1.0
+
+
+async def test_an_update_through_any_replica_reaches_every_worker(
+    replicas: tuple[Replica, Replica],
+    first_worker: WorkerFleet,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """POST /weights through one replica loads the checkpoint on the worker every replica
+    shares; the other replica then reports the same version at once, and its trials'
+    turns are sampled by the new weights."""
+    from sdk.fidelity import check_fidelity
+    from tests.e2e.test_weights import write_checkpoint
+
+    a, b = replicas
+    checkpoint = write_checkpoint(tiny_model_dir, tmp_path / "step", seed=5)
+    async with ProxyClient(a.url) as via_a, ProxyClient(b.url) as via_b:
+        version = (await via_b.weights())["version"] + 1
+        report = await via_b.update_weights(version, str(checkpoint))
+        assert report["version"] == version
+        for client in (via_a, via_b):
+            seen = await client.weights()
+            assert (seen["version"], seen["path"]) == (version, str(checkpoint))
+            assert [(w["worker_id"], w["version"]) for w in seen["workers"]] == [("first", version)]
+        trial_id = next(
+            f"after-{i}" for i in range(1000) if owner(f"after-{i}", [a.url, b.url]) == a.url
+        )
+        trial = await via_a.create_session(trial_id, sampling={"temperature": 1.0})
+        async with aiohttp.ClientSession() as http:
+            status, body = await _chat(http, trial.base_url, trial, MESSAGES)
+        assert status == 200, body
+        export = await via_a.trajectories(trial.trial_id)
+    (traj,) = export["trajectories"]
+    assert {
+        v for v, m in zip(traj["response_versions"], traj["response_mask"], strict=True) if m
+    } == {version}
+    assert check_fidelity(export, HFEngine.load(checkpoint).score).max_abs_error <= 1e-4

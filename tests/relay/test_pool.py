@@ -30,6 +30,7 @@ from relay.pool import (
     WorkerLoad,
     WorkerPool,
     choose_worker,
+    version_spans,
 )
 
 
@@ -555,3 +556,86 @@ async def test_per_worker_cap_lowers_announced_concurrency() -> None:
     await pool.start("tiny", [1], sampling)
     with pytest.raises(NoWorkerAvailableError):
         await pool.start("tiny", [1], sampling)
+
+
+def test_version_spans_cover_the_tokens_each_version_sampled() -> None:
+    """Segments become (version, start, end) spans: each runs to the next one's start,
+    empty ones vanish, neighbours of one version merge, and ``total`` cuts the last."""
+    assert version_spans([], 5) == []
+    assert version_spans([(0, 1)], 0) == []
+    assert version_spans([(0, 1)], 4) == [(1, 0, 4)]
+    assert version_spans([(0, 1), (3, 1), (5, 2)], 8) == [(1, 0, 5), (2, 5, 8)]
+    assert version_spans([(0, 1), (0, 2)], 3) == [(2, 0, 3)]  # the first sampled nothing
+    assert version_spans([(0, 1), (2, 2), (4, 1)], 6) == [(1, 0, 2), (2, 2, 4), (1, 4, 6)]
+    assert version_spans([(0, 1), (4, 2)], 3) == [(1, 0, 3)]  # cut before the second
+    assert version_spans([(0, 1), (4, 2)], 6) == [(1, 0, 4), (2, 4, 6)]
+
+
+async def test_a_preempted_request_continues_from_its_tokens_on_the_new_version() -> None:
+    """A Done marked preempted (a weight update aborted it) re-queues the call: it waits
+    while the pool is held, then continues from prompt + received tokens with the budget
+    reduced, and its reply's spans say which version sampled which tokens."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, link = await _add(pool, "a")
+    call = await pool.start("tiny", [1, 2], protocol.Sampling(max_tokens=6))
+    rid = call.request_id
+    delta = protocol.Delta(rid, protocol.pack_ids([5]), protocol.pack_logprobs([-1.0]))
+    await pool.handle_message(handle, _frame(delta, handle))
+    pool.hold()  # the update that aborted it is running
+    preempted = protocol.Done(
+        rid,
+        "abort",
+        protocol.pack_ids([6]),
+        protocol.pack_logprobs([-2.0]),
+        {protocol.PREEMPTED: 1, protocol.POLICY_VERSION: 0},
+    )
+    await pool.handle_message(handle, _frame(preempted, handle))
+    await asyncio.sleep(0.05)
+    assert len([m for m in link.sent if isinstance(m, protocol.Generate)]) == 1
+    assert handle.in_flight == set()
+    handle.version = 1  # the update committed
+    pool.release()
+    await _wait_sent(link, 2)
+    again = link.sent[1]
+    assert isinstance(again, protocol.Generate)
+    assert again.request_id == rid
+    assert protocol.unpack_ids(again.prompt_ids) == [1, 2, 5, 6]
+    assert again.sampling.max_tokens == 4
+    done = protocol.Done(
+        rid,
+        "stop",
+        protocol.pack_ids([7, 8]),
+        protocol.pack_logprobs([-3.0, -4.0]),
+        {protocol.POLICY_VERSION: 1},
+    )
+    await pool.handle_message(handle, _frame(done, handle))
+    events = [e async for e in call.events()]
+    assert [type(e) for e in events] == [TokensEvent, ResumedEvent, TokensEvent, FinishedEvent]
+    resumed = events[1]
+    assert isinstance(resumed, ResumedEvent)
+    assert resumed.tokens == 2
+    assert [list(e.token_ids) for e in events if isinstance(e, TokensEvent)] == [[5, 6], [7, 8]]
+    assert call.version_spans() == [(0, 0, 2), (1, 2, 4)]
+    assert pool.stats.preempted == 1
+    assert call.attempts == 1  # a preemption is not a failed attempt
+
+
+async def test_the_workers_reported_version_replaces_the_pools_assumption() -> None:
+    """The version in a Done's extra (the engine's own, e.g. updated through another
+    replica before this proxy heard) is what the call's spans say; without one, the
+    handle's version at dispatch stands."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "a")
+    handle.version = 2
+    told = await pool.start("tiny", [1], protocol.Sampling(max_tokens=4), affinity="t1")
+    silent = await pool.start("tiny", [1], protocol.Sampling(max_tokens=4), affinity="t2")
+    ids, lps = protocol.pack_ids([5, 6]), protocol.pack_logprobs([-1.0, -1.0])
+    reports: list[tuple[RelayCall, dict[str, str | int | float]]] = [
+        (told, {protocol.POLICY_VERSION: 4}),
+        (silent, {}),
+    ]
+    for call, extra in reports:
+        done = protocol.Done(call.request_id, "stop", ids, lps, extra)
+        await pool.handle_message(handle, _frame(done, handle))
+    assert told.version_spans() == [(4, 0, 2)]
+    assert silent.version_spans() == [(2, 0, 2)]

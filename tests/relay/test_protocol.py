@@ -245,3 +245,150 @@ def test_close_returns_requests_in_flight() -> None:
     assert proxy.close() == {"a", "b"}
     assert proxy.state is protocol.ConnectionState.CLOSED
     assert "closed" in repr(proxy)
+
+
+def _open_pair_at(version: int) -> tuple[protocol.ProxyEndpoint, protocol.WorkerEndpoint]:
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    proxy.receive(worker.hello(_hello(version=version)))
+    worker.receive(proxy.accept(10.0))
+    return proxy, worker
+
+
+def test_weight_update_messages_round_trip() -> None:
+    """Pause, Load, Commit and Rollback decode on the worker's side, UpdateAck, Weights and
+    a hello's weights on the proxy's, equal to what was sent."""
+    phases: list[protocol.UpdateMessage] = [
+        protocol.Pause("u1", protocol.PauseMode.ABORT),
+        protocol.Pause("u1"),
+        protocol.Load("u1", 3, "/ckpt/step-3"),
+        protocol.Load("u1", 4),
+        protocol.Commit("u1"),
+        protocol.Rollback("u1"),
+    ]
+    for message in phases:
+        assert protocol.decode_proxy_message(protocol.encode(message)) == message
+    hello = msgspec.structs.replace(_hello(), policy_version=7, weights_path="/ckpt/step-7")
+    answers: list[protocol.WorkerMessage] = [
+        protocol.UpdateAck("u1", protocol.UpdatePhase.LOADED, True, 3),
+        protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED, False, 2, "no such file"),
+        protocol.Weights(3, "/ckpt/step-3"),
+        protocol.Weights(4),
+        hello,
+    ]
+    for wmessage in answers:
+        decoded = protocol.decode_worker_message(protocol.encode(wmessage))
+        assert decoded == wmessage
+    back = protocol.decode_worker_message(protocol.encode(hello))
+    assert isinstance(back, protocol.Hello)
+    assert (back.policy_version, back.weights_path) == (7, "/ckpt/step-7")
+
+
+def test_an_update_runs_through_both_endpoints_and_its_final_phase_forgets_it() -> None:
+    """Each phase the proxy sends reaches the worker; the worker's acks are legal until a
+    final phase (committed or rolled back), after which the update is unknown."""
+    proxy, worker = _open_pair()
+    assert proxy.can_update
+    steps: list[tuple[protocol.UpdateMessage, protocol.UpdatePhase]] = [
+        (protocol.Pause("u1", protocol.PauseMode.ABORT), protocol.UpdatePhase.PAUSED),
+        (protocol.Load("u1", 1, "/ckpt"), protocol.UpdatePhase.LOADED),
+        (protocol.Commit("u1"), protocol.UpdatePhase.COMMITTED),
+    ]
+    for message, phase in steps:
+        assert worker.receive(proxy.update(message)) == message
+        assert proxy.updates == {"u1"}
+        ack = protocol.UpdateAck("u1", phase, True, 1)
+        assert proxy.receive(worker.control(ack)) == ack
+    assert proxy.updates == set()
+    late = protocol.UpdateAck("u1", protocol.UpdatePhase.COMMITTED, True, 1)
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(worker.control(late))
+    with pytest.raises(IllegalTransitionError):
+        proxy.update(protocol.Commit("u1"))
+    # A rollback is final too.
+    proxy.update(protocol.Pause("u2"))
+    proxy.update(protocol.Rollback("u2"))
+    proxy.receive(worker.control(protocol.UpdateAck("u2", protocol.UpdatePhase.ROLLED_BACK)))
+    assert proxy.updates == set()
+    notice = protocol.Weights(1, "/ckpt")
+    assert proxy.receive(worker.control(notice)) == notice
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [protocol.Pause("u1"), protocol.Pause("u1")],
+        [protocol.Commit("u1")],
+        [protocol.Load("u1", 1, "/ckpt")],
+        [protocol.Rollback("u1")],
+        [protocol.Pause("u1"), protocol.Load("u2", 1)],
+    ],
+    ids=[
+        "pause twice",
+        "commit without pause",
+        "load without pause",
+        "rollback without pause",
+        "load of another update",
+    ],
+)
+def test_update_phases_out_of_order_are_illegal(messages: list[protocol.UpdateMessage]) -> None:
+    """An update starts with Pause, once; its later phases name a started update."""
+    proxy, _worker = _open_pair()
+    *before, last = messages
+    for message in before:
+        proxy.update(message)
+    with pytest.raises(IllegalTransitionError):
+        proxy.update(last)
+
+
+def test_an_ack_for_an_unknown_update_is_illegal() -> None:
+    """A worker may only answer updates the proxy started."""
+    proxy, worker = _open_pair()
+    ack = protocol.UpdateAck("never", protocol.UpdatePhase.PAUSED)
+    with pytest.raises(IllegalTransitionError):
+        proxy.receive(worker.control(ack))
+
+
+def test_updates_need_an_open_connection() -> None:
+    """No phase goes out before the handshake or after close, and a worker answers only
+    on an open connection."""
+    proxy, worker = protocol.ProxyEndpoint(), protocol.WorkerEndpoint()
+    with pytest.raises(IllegalTransitionError):
+        proxy.update(protocol.Pause("u1"))
+    with pytest.raises(IllegalTransitionError):
+        worker.control(protocol.Weights(1))
+    proxy, worker = _open_pair()
+    proxy.close()
+    with pytest.raises(IllegalTransitionError):
+        proxy.update(protocol.Pause("u1"))
+
+
+def test_a_version_2_peer_neither_gets_nor_sends_weight_updates() -> None:
+    """Updates need protocol 3 on both sides: a proxy cannot update a version 2 worker
+    (nor accept its acks or notices), a worker welcomed in version 2 refuses phases and
+    sends no answers."""
+    proxy, worker = _open_pair_at(2)
+    assert not proxy.can_update
+    assert proxy.version == worker.version == 2
+    phases: list[protocol.UpdateMessage] = [
+        protocol.Pause("u1"),
+        protocol.Load("u1", 1),
+        protocol.Commit("u1"),
+    ]
+    for message in phases:
+        with pytest.raises(IllegalTransitionError):
+            proxy.update(message)
+        with pytest.raises(IllegalTransitionError):
+            worker.receive(protocol.encode(message))
+    assert proxy.updates == set()
+    answers: list[protocol.UpdateAck | protocol.Weights] = [
+        protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED),
+        protocol.Weights(1),
+    ]
+    for answer in answers:
+        with pytest.raises(IllegalTransitionError):
+            proxy.receive(protocol.encode(answer))
+        with pytest.raises(IllegalTransitionError):
+            worker.control(answer)
+    # Requests still flow.
+    worker.receive(proxy.generate(protocol.Generate("r1", "t", b"", protocol.Sampling(1))))
+    assert proxy.in_flight == {"r1"}

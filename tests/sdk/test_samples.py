@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from proxy.sessions.model import Session, TrialId, TurnMeta, TurnNode
-from sdk.samples import BranchPolicy, OverlongPrompt, SharedTurns, build_samples, scalar_reward
+from sdk.samples import (
+    BranchPolicy,
+    OverlongPrompt,
+    SharedTurns,
+    StaleTokens,
+    build_samples,
+    scalar_reward,
+)
 
 
 def _traj(
@@ -140,6 +147,79 @@ def test_a_branched_session_trains_every_sampled_token_exactly_once() -> None:
     assert +trained == {index: reply for index, (_, _, reply) in enumerate(shape)}
     repeated = sum(s.sampled_tokens for s in build_samples(export, shared_turns=SharedTurns.EACH))
     assert repeated > sum(reply for _, _, reply in shape)
+
+
+def _versioned(
+    versions: list[int], mask: list[int], turns: list[tuple[int, int, int]] | None = None
+) -> dict[str, Any]:
+    traj = _traj([1], list(range(10, 10 + len(mask))), mask, turns or [(0, 0, len(mask))])
+    traj["response_versions"] = versions
+    return {"trial_id": "t", "reward": 1.0, "trajectories": [traj]}
+
+
+def test_samples_carry_each_tokens_version_aligned_with_the_response() -> None:
+    """``response_versions`` has one entry per response id, -1 where the mask is 0, and
+    its minimum and maximum over the trained tokens; a sample that trains nothing has
+    neither."""
+    (sample,) = build_samples(_versioned([1, -1, 2, 3], [1, 0, 1, 1]))
+    assert sample.response_versions == [1, -1, 2, 3]
+    assert len(sample.response_versions) == len(sample.response_ids)
+    assert (sample.min_version, sample.max_version) == (1, 3)
+    (cut,) = build_samples(_versioned([1, -1, 2, 3], [1, 0, 1, 1]), max_response_tokens=2)
+    assert cut.response_versions == [1, -1]
+    assert (cut.min_version, cut.max_version) == (1, 1)
+    (idle,) = build_samples(_versioned([-1, -1], [0, 0]))
+    assert (idle.min_version, idle.max_version) == (None, None)
+
+
+def test_tokens_older_than_the_staleness_limit_are_masked() -> None:
+    """With a current version, sampled tokens more than ``max_staleness`` versions older
+    are masked (only those; context stays as it was) and counted; the rest still train."""
+    export = _versioned([1, -1, 2, 3, 1], [1, 0, 1, 1, 1])
+    (sample,) = build_samples(export, current_version=3)
+    assert sample.response_mask == [0, 0, 1, 1, 0]
+    assert sample.response_versions == [-1, -1, 2, 3, -1]
+    assert sample.stale_tokens == 2
+    assert (sample.min_version, sample.max_version) == (2, 3)
+    (lenient,) = build_samples(export, current_version=3, max_staleness=2)
+    assert lenient.response_mask == [1, 0, 1, 1, 1]
+    assert lenient.stale_tokens == 0
+    (strict,) = build_samples(export, current_version=3, max_staleness=0)
+    assert strict.response_mask == [0, 0, 0, 1, 0]
+    assert strict.stale_tokens == 3
+
+
+def test_drop_removes_samples_with_a_stale_token() -> None:
+    """``stale=drop`` drops a sample with any stale token and keeps fresh ones whole."""
+    stale = _versioned([1, -1, 3], [1, 0, 1])
+    fresh = _versioned([2, -1, 3], [1, 0, 1], turns=[(1, 0, 3)])
+    export = dict(stale, trajectories=[*stale["trajectories"], *fresh["trajectories"]])
+    samples = build_samples(export, current_version=3, stale=StaleTokens.DROP)
+    assert [s.branch for s in samples] == [1]
+    assert samples[0].response_mask == [1, 0, 1]
+    assert samples[0].stale_tokens == 0
+
+
+def test_without_a_current_version_nothing_is_stale() -> None:
+    """A synchronous trainer passes no current version: however old, every token trains."""
+    (sample,) = build_samples(_versioned([0, 0, 7], [1, 1, 1]))
+    assert sample.response_mask == [1, 1, 1]
+    assert sample.stale_tokens == 0
+    (dropped_none,) = build_samples(_versioned([0, 0, 7], [1, 1, 1]), stale=StaleTokens.DROP)
+    assert dropped_none.response_mask == [1, 1, 1]
+
+
+def test_an_export_without_token_versions_uses_each_turns_policy_version() -> None:
+    """An export from before versions were kept per token gets each turn's
+    ``extra["policy_version"]`` on its sampled tokens, 0 for a turn without one."""
+    traj = _traj([1], [10, 11, 12, 13, 14], [1, 1, 0, 1, 1], [(0, 0, 2), (1, 3, 5)])
+    traj["turns"][0]["extra"] = {"policy_version": 4}
+    (sample,) = build_samples({"trial_id": "t", "reward": 1.0, "trajectories": [traj]})
+    assert sample.response_versions == [4, 4, -1, 0, 0]
+    (stale,) = build_samples(
+        {"trial_id": "t", "reward": 1.0, "trajectories": [traj]}, current_version=4
+    )
+    assert stale.response_mask == [1, 1, 0, 0, 0]
 
 
 def _turns(traj: dict[str, Any], **fields: dict[int, Any]) -> dict[str, Any]:

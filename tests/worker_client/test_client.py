@@ -15,20 +15,22 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from proxy.appkeys import POOL
+from proxy.appkeys import POOL, WEIGHTS
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from relay import protocol
-from relay.exceptions import RelayError, WorkerFailedError
+from relay.exceptions import RelayError, UpdateFailedError, WorkerFailedError
 from relay.pool import (
     FinishedEvent,
     RelayCall,
     RestartedEvent,
     ResumedEvent,
     TokensEvent,
+    WorkerId,
     WorkerPool,
 )
 from worker_client.backends.hf import HFEngine
+from worker_client.backends.instant import InstantEngine
 from worker_client.client import (
     TOKENIZER_FILES,
     ServedModel,
@@ -37,6 +39,7 @@ from worker_client.client import (
     collect_tokenizer_files,
 )
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineError
+from worker_client.policy import PolicyState, UpdateState
 
 TOKEN = "t"
 
@@ -442,3 +445,75 @@ async def test_an_unexpected_engine_exception_fails_the_request_not_hangs_it(
             assert info.value.code == "engine_error"
             assert "RuntimeError: CUDA error" in str(info.value)
         assert set(pool.workers) == {"w-broken"}
+
+
+async def test_an_update_whose_connection_ends_is_rolled_back(
+    proxy: RunningProxy, tiny_model_dir: Path, prompt: list[int]
+) -> None:
+    """A proxy that paused the worker for an update and then went away leaves no paused
+    worker behind: the connection's end rolls the update back, and the reconnected worker
+    serves on the version it had."""
+    instant = InstantEngine.load(tiny_model_dir, name="instant", reply_tokens=4)
+    client = WorkerClient(
+        proxy.worker_url,
+        {"instant": ServedModel(instant, tiny_model_dir)},
+        token=TOKEN,
+        worker_id="w-update",
+    )
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        handle = pool.workers[WorkerId("w-update")]
+        await handle.link.send(handle.endpoint.update(protocol.Pause("u1")))
+        engine = client.policy.engines[0]
+        for _ in range(500):
+            if engine.state is PolicyState.PAUSED:
+                break
+            await asyncio.sleep(0.01)
+        assert (client.policy.state, client.policy.update_id) == (UpdateState.PAUSED, "u1")
+        await handle.link.close("the proxy went away")
+        for _ in range(500):
+            if client.policy.state is UpdateState.IDLE:
+                break
+            await asyncio.sleep(0.01)
+        assert client.policy.state is UpdateState.IDLE
+        assert (engine.state, client.policy.version) == (PolicyState.SERVING, 0)
+        await proxy.wait_for_workers(1, within_seconds=30)
+        _, _, finished = await _generate(pool, "instant", prompt, max_tokens=4)
+        assert finished.extra[protocol.POLICY_VERSION] == 0
+
+
+async def test_a_pause_that_outlasts_its_update_stays_quiet_and_serving(
+    proxy: RunningProxy, tiny_model_dir: Path, prompt: list[int]
+) -> None:
+    """A wait-mode pause that takes longer than the proxy waits is rolled back by the
+    proxy; when the running request then finishes, the worker neither answers the
+    forgotten update (a protocol error that would drop the connection) nor stays paused:
+    the same connection serves the next request on the old version."""
+    slow = InstantEngine.load(tiny_model_dir, name="slow", reply_tokens=12, tokens_per_second=8)
+    client = WorkerClient(
+        proxy.worker_url,
+        {"slow": ServedModel(slow, tiny_model_dir)},
+        token=TOKEN,
+        worker_id="w-slow",
+    )
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        handle = pool.workers[WorkerId("w-slow")]
+        running = asyncio.create_task(_generate(pool, "slow", prompt, max_tokens=12))
+        await asyncio.sleep(0.2)
+        sync = proxy.app[WEIGHTS]
+        sync.phase_seconds = 0.3
+        with pytest.raises(UpdateFailedError) as failed:
+            await sync.update(1)
+        assert failed.value.code == "update_timeout"
+        tokens, _, finished = await running
+        assert (len(tokens), finished.finish_reason) == (12, "stop")
+        await asyncio.sleep(0.3)  # time for a stray answer to arrive
+        assert pool.workers.get(WorkerId("w-slow")) is handle
+        engine = client.policy.engines[0]
+        assert (client.policy.state, engine.state) == (UpdateState.IDLE, PolicyState.SERVING)
+        _, _, again = await _generate(pool, "slow", prompt, max_tokens=2)
+        assert again.extra[protocol.POLICY_VERSION] == 0
+        assert pool.workers.get(WorkerId("w-slow")) is handle

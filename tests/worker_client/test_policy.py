@@ -6,9 +6,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from relay.protocol import PREEMPTED, PauseMode
 from worker_client.backends.instant import InstantEngine
 from worker_client.engine import FinishReason, SamplingParams, TokenChunk
-from worker_client.policy import POLICY_VERSION, PolicyState, VersionedEngine
+from worker_client.exceptions import WeightsError
+from worker_client.policy import (
+    POLICY_VERSION,
+    PolicyState,
+    UpdateState,
+    VersionedEngine,
+    WorkerPolicy,
+)
 
 SAMPLING = SamplingParams(max_tokens=64)
 
@@ -68,3 +78,148 @@ async def test_pause_lets_running_requests_finish_or_aborts_them(tiny_model_dir:
     await engine.pause(abort_in_flight=True)
     assert running.result().finish_reason is FinishReason.ABORT
     assert running.result().extra[POLICY_VERSION] == 5
+
+
+# ---------------------------------------------------------------------------- WorkerPolicy
+
+
+def _policy(tiny_model_dir: Path, *, path: str | None = None) -> WorkerPolicy:
+    return WorkerPolicy([_engine(tiny_model_dir, tokens_per_second=200.0)], path=path)
+
+
+async def test_a_checkpoint_the_engine_cannot_load_is_refused_and_rolled_back(
+    tiny_model_dir: Path,
+) -> None:
+    """Loading a path on an engine without weight loading raises WeightsError and leaves
+    the update paused; rolling back serves the old version again, and the all-in-one
+    update does the same by itself."""
+    policy = _policy(tiny_model_dir)
+    await policy.pause("u1", PauseMode.WAIT)
+    with pytest.raises(WeightsError, match="cannot load weights"):
+        await policy.load("u1", 2, "/ckpt/2")
+    assert (policy.state, policy.engines[0].state) == (UpdateState.PAUSED, PolicyState.PAUSED)
+    await policy.rollback("u1")
+    assert (policy.state, policy.update_id, policy.version) == (UpdateState.IDLE, None, 1)
+    assert policy.engines[0].state == PolicyState.SERVING
+    assert (await _reply(policy.engines[0], "after")).extra[POLICY_VERSION] == 1
+    with pytest.raises(WeightsError):
+        await policy.update(2, "/ckpt/2")
+    assert (policy.state, policy.version) == (UpdateState.IDLE, 1)
+    assert policy.engines[0].state is PolicyState.SERVING
+
+
+async def test_a_stamp_only_update_moves_the_version_and_keeps_the_checkpoint(
+    tiny_model_dir: Path,
+) -> None:
+    """Without a path nothing is loaded: the version moves, the checkpoint the weights
+    came from stays, and replies carry the new version."""
+    policy = _policy(tiny_model_dir, path="/ckpt/1")
+    await policy.pause("u1", PauseMode.WAIT)
+    await policy.load("u1", 2, None)
+    assert policy.state is UpdateState.LOADED
+    assert await policy.commit("u1") == 2
+    assert (policy.version, policy.path, policy.state) == (2, "/ckpt/1", UpdateState.IDLE)
+    assert (await _reply(policy.engines[0], "r")).extra[POLICY_VERSION] == 2
+    assert await policy.update(3) == 3
+    assert (policy.version, policy.path) == (3, "/ckpt/1")
+
+
+async def test_one_update_at_a_time_and_its_phases_in_order(tiny_model_dir: Path) -> None:
+    """A second pause while an update runs is refused; phases of another update, a commit
+    before the load, and a version that is not newer are refused without ending the
+    running update."""
+    policy = _policy(tiny_model_dir)
+    await policy.pause("u1", PauseMode.WAIT)
+    with pytest.raises(WeightsError, match="in progress"):
+        await policy.pause("u2", PauseMode.WAIT)
+    with pytest.raises(WeightsError):
+        await policy.load("u2", 2, None)
+    with pytest.raises(WeightsError):
+        await policy.commit("u1")
+    with pytest.raises(WeightsError, match="not newer"):
+        await policy.load("u1", 1, None)
+    await policy.rollback("u2")  # not the running update: nothing happens
+    assert (policy.state, policy.update_id) == (UpdateState.PAUSED, "u1")
+    await policy.load("u1", 2, None)
+    assert await policy.commit("u1") == 2
+    await policy.rollback("u1")  # already committed: idempotent, nothing changes
+    assert (policy.version, policy.state) == (2, UpdateState.IDLE)
+
+
+async def test_listeners_hear_committed_versions_only(tiny_model_dir: Path) -> None:
+    """A listener is told each committed version with its checkpoint; rolled back or
+    failed updates are not announced, and a stopped listener hears nothing more."""
+    policy = _policy(tiny_model_dir, path="/ckpt/1")
+    heard: list[tuple[int, str | None]] = []
+    stop = policy.listen(lambda version, path: heard.append((version, path)))
+    await policy.update(2)
+    await policy.pause("u3", PauseMode.WAIT)
+    await policy.load("u3", 3, None)
+    await policy.rollback("u3")
+    with pytest.raises(WeightsError):
+        await policy.update(3, "/ckpt/3")
+    assert heard == [(2, "/ckpt/1")]
+    stop()
+    await policy.update(4)
+    assert heard == [(2, "/ckpt/1")]
+    assert policy.version == 4
+
+
+async def test_an_abort_mode_pause_marks_its_replies_preempted(tiny_model_dir: Path) -> None:
+    """Replies an abort-mode pause stops end with abort and extra preempted=1 (the proxy
+    continues them); a wait-mode pause lets them finish unmarked, and a request aborted
+    for another reason is not marked."""
+    policy = _policy(tiny_model_dir)
+    engine = policy.engines[0]
+    running = await _started(engine, "r1")
+    await policy.pause("u1", PauseMode.ABORT)
+    last = running.result()
+    assert last.finish_reason is FinishReason.ABORT
+    assert last.extra[PREEMPTED] == 1
+    assert last.extra[POLICY_VERSION] == 1
+    await policy.rollback("u1")
+
+    running = await _started(engine, "r2")
+    await policy.pause("u2", PauseMode.WAIT)
+    assert running.result().finish_reason is FinishReason.STOP
+    assert PREEMPTED not in running.result().extra
+    await policy.rollback("u2")
+
+    running = await _started(engine, "r3")
+    await engine.abort("r3")
+    last = await asyncio.wait_for(running, 5)
+    assert last.finish_reason is FinishReason.ABORT
+    assert PREEMPTED not in last.extra
+
+
+async def test_a_rollback_while_requests_drain_ends_the_pause(tiny_model_dir: Path) -> None:
+    """An update rolled back before its pause finished draining (the proxy stopped
+    waiting) leaves the engine serving, not paused for nobody: the pause reports it, and
+    new requests run on the old version."""
+    policy = _policy(tiny_model_dir)
+    engine = policy.engines[0]
+    running = await _started(engine, "r1")
+    pausing = asyncio.create_task(policy.pause("u1", PauseMode.WAIT))
+    await asyncio.sleep(0.01)
+    assert engine.state == PolicyState.PAUSING
+    await policy.rollback("u1")
+    assert (await asyncio.wait_for(running, 5)).finish_reason is FinishReason.STOP
+    with pytest.raises(WeightsError, match="rolled back"):
+        await asyncio.wait_for(pausing, 5)
+    assert (policy.state, engine.state) == (UpdateState.IDLE, PolicyState.SERVING)
+    last = await asyncio.wait_for(_reply(engine, "after"), 5)
+    assert last.extra[POLICY_VERSION] == 1
+
+
+async def test_closing_a_reply_closes_the_engines_at_once(tiny_model_dir: Path) -> None:
+    """A consumer that stops reading and closes the stream finishes the engine's request
+    now (it may hold a slot or a lock), not when the garbage collector gets to it."""
+    engine = _engine(tiny_model_dir, tokens_per_second=200.0)
+    inner = engine.engine
+    assert isinstance(inner, InstantEngine)
+    stream = engine.generate("r1", [1, 2, 3], SAMPLING)
+    await anext(stream)
+    assert inner._running == {"r1"}
+    await stream.aclose()
+    assert inner._running == set()
+    assert engine.in_flight == 0

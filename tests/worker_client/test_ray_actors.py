@@ -1,5 +1,6 @@
 """Ray worker actors on a local CPU cluster: an hf worker actor dials the proxy, serves a
-turn, and pauses/resumes for a weight update with the new version recorded per turn."""
+turn, pauses/resumes for a weight update with the new version recorded per turn, and loads
+a checkpoint all or nothing."""
 
 from __future__ import annotations
 
@@ -71,5 +72,35 @@ async def test_worker_actor_serves_and_records_policy_versions(
             assert status["version"] == 7
             assert status["state"] == "serving"
             await proxy.delete(trial.trial_id)
+    finally:
+        await group.stop()
+
+
+async def test_worker_group_loads_a_checkpoint_all_or_nothing(
+    ray_cluster: Any, bare_proxy: RunningProxy, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """update_weights loads the checkpoint in every actor (the next turn scores as it, and
+    the proxy hears of the version); a path that does not load raises WeightsError and
+    the actors keep serving the version before."""
+    from sdk.fidelity import check_fidelity
+    from tests.e2e.test_weights import write_checkpoint
+    from worker_client.backends.hf import HFEngine
+    from worker_client.exceptions import WeightsError
+
+    checkpoint = write_checkpoint(tiny_model_dir, tmp_path / "step-3", seed=3)
+    group = await start_tiny_group(bare_proxy.worker_url, tiny_model_dir)
+    try:
+        await bare_proxy.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+        assert await group.update_weights(3, str(checkpoint)) == 3
+        with pytest.raises(WeightsError, match="did not load"):
+            await group.update_weights(4, str(tmp_path / "missing"))
+        assert (await group.weights())["version"] == 3
+        async with ProxyClient(bare_proxy.url) as proxy:
+            assert (await proxy.weights())["version"] == 3
+            trial = await proxy.create_session(sampling={"temperature": 1.0})
+            turn = await _turn(proxy, trial.trial_id, trial.base_url, trial.api_key)
+            assert turn["versions"][0][0] == 3
+            export = await proxy.trajectories(trial.trial_id)
+        assert check_fidelity(export, HFEngine.load(checkpoint).score).max_abs_error <= 1e-4
     finally:
         await group.stop()

@@ -12,6 +12,10 @@ directory. Design points:
   growing prefix every turn; a prompt that starts with a cached sequence only prefills
   its new tokens.
 * Logprobs follow ``LogprobsMode`` (see ``worker_client.engine``).
+* New weights load in place (``WeightLoader``): ``stage_weights`` reads a checkpoint the
+  trainer wrote (``save_pretrained``) and checks that every parameter has the served
+  model's name and shape; ``commit_weights`` copies it into the served model's parameters
+  and drops the cached KV (computed with the old weights). Nothing restarts.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
 )
-from worker_client.exceptions import EngineError, EngineUnavailableError
+from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 
 _GREEDY_BELOW = 1e-5
 
@@ -57,8 +61,10 @@ class HFEngine:
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         prefill_chunk: int = 2048,
         cache_entries: int = 4,
+        device: str = "cpu",
     ) -> None:
         self.model = model
+        self.device = device
         self._card = ModelCard(name, max_model_len, logprobs_mode, "hf")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
@@ -70,6 +76,7 @@ class HFEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hf-{name}")
         self._aborted: set[str] = set()
         self._running: set[str] = set()
+        self._staged: dict[str, Any] | None = None  # a checked checkpoint's tensors
 
     def __repr__(self) -> str:
         return f"<HFEngine {self._card.name} running={len(self._running)}>"
@@ -82,7 +89,10 @@ class HFEngine:
         name: str | None = None,
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         max_model_len: int | None = None,
+        device: str = "cpu",
     ) -> HFEngine:
+        """Load a Hugging Face causal-LM directory in float32 on ``device`` (``cpu``,
+        ``cuda``, ``cuda:1``, ...)."""
         try:
             import torch
             from transformers import AutoModelForCausalLM
@@ -92,6 +102,10 @@ class HFEngine:
         if not (path / "config.json").is_file():
             raise EngineUnavailableError(f"{path} is not a Hugging Face model directory")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        try:
+            model.to(torch.device(device))  # type: ignore[arg-type]  # transformers wraps .to
+        except (RuntimeError, AssertionError) as exc:  # no such device, or no CUDA build
+            raise EngineUnavailableError(f"the hf backend cannot use {device!r}: {exc}") from None
         model.eval()  # type: ignore[no-untyped-call]
         eos: list[int] = []
         generation = path / "generation_config.json"
@@ -107,6 +121,7 @@ class HFEngine:
             max_model_len=window,
             eos_token_ids=eos,
             logprobs_mode=logprobs_mode,
+            device=device,
         )
 
     @property
@@ -131,7 +146,9 @@ class HFEngine:
         logits = None
         with torch.inference_mode():
             for start in range(0, len(ids), self.prefill_chunk):
-                chunk = torch.tensor([list(ids[start : start + self.prefill_chunk])])
+                chunk = torch.tensor(
+                    [list(ids[start : start + self.prefill_chunk])], device=self.device
+                )
                 out = self._run(chunk, cache)
                 logits = out.logits[0, -1].float()
         return logits
@@ -219,7 +236,7 @@ class HFEngine:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
                 entry = await loop.run_in_executor(self._executor, self._prefill, list(prompt_ids))
-                generator = torch.Generator()
+                generator = torch.Generator(device=self.device)
                 if sampling.seed is not None:
                     generator.manual_seed(sampling.seed)
                 else:
@@ -260,6 +277,70 @@ class HFEngine:
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ------------------------------------------------------------------ weights
+
+    def _read_checkpoint(self, path: str) -> dict[str, Any]:
+        """The parameters of the checkpoint at ``path``, checked against the served model:
+        the same names and shapes (a checkpoint of another architecture is refused)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        root = Path(path)
+        if not (root / "config.json").is_file():
+            raise WeightsError(f"{path} is not a Hugging Face model directory (no config.json)")
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+        except Exception as exc:  # transformers raises many kinds for unreadable files
+            raise WeightsError(f"{path} does not load: {type(exc).__name__}: {exc}") from None
+        mine, theirs = self.model.config, loaded.config
+        for key in ("model_type", "tie_word_embeddings"):
+            if getattr(mine, key, None) != getattr(theirs, key, None):
+                # Tied and untied embeddings have the same parameter names: copying one
+                # into the other would leave a model that is neither.
+                raise WeightsError(
+                    f"{path} has {key}={getattr(theirs, key, None)!r}, the served model "
+                    f"{getattr(mine, key, None)!r}"
+                )
+        new = loaded.state_dict()
+        served = self.model.state_dict()
+        if set(new) != set(served):
+            missing, extra = sorted(set(served) - set(new)), sorted(set(new) - set(served))
+            raise WeightsError(
+                f"{path} has other parameters than the served model "
+                f"(missing {missing[:3]}, unexpected {extra[:3]})"
+            )
+        for name, tensor in new.items():
+            if tensor.shape != served[name].shape:
+                raise WeightsError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, the served model "
+                    f"{tuple(served[name].shape)}"
+                )
+        return {name: tensor.detach() for name, tensor in new.items()}
+
+    def _apply_checkpoint(self, tensors: dict[str, Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.model.load_state_dict(tensors, strict=True)
+        self._caches.clear()  # keys and values computed with the old weights
+
+    async def stage_weights(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        tensors = await loop.run_in_executor(self._executor, self._read_checkpoint, path)
+        self._staged = tensors
+
+    async def commit_weights(self, version: int) -> None:
+        if self._staged is None:
+            raise WeightsError("no checkpoint was staged")
+        tensors, self._staged = self._staged, None
+        async with self._lock:  # no forward pass runs while the parameters change
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._apply_checkpoint, tensors
+            )
+
+    async def discard_weights(self) -> None:
+        self._staged = None
+
     # ------------------------------------------------------------------ scoring
 
     def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> list[float]:
@@ -276,13 +357,13 @@ class HFEngine:
         with torch.inference_mode():
             for start in range(0, len(ids) - 1, self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(ids) - 1)
-                chunk = torch.tensor([ids[start:end]])
+                chunk = torch.tensor([ids[start:end]], device=self.device)
                 logits = self._run(chunk, cache).logits[0]
                 if end <= first:
                     continue
                 lo = max(first, start)
                 logprobs = torch.log_softmax(logits[lo - start :].float(), dim=-1)
-                targets = torch.tensor(ids[lo + 1 : end + 1])
+                targets = torch.tensor(ids[lo + 1 : end + 1], device=self.device)
                 out.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
         return out
 

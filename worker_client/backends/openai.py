@@ -10,6 +10,22 @@ and ``stop_token_ids``; the stop token is part of ``token_ids``.
 Which distribution the logprobs come from is the upstream's setting (vLLM's
 ``--logprobs-mode``); announce it with ``logprobs_mode``. Aborting closes the stream, which
 vLLM and SGLang treat as a cancellation.
+
+Weight updates (``WeightLoader``) go through the upstream server's own routes, chosen by
+``weights_api`` (the worker's ``--weights-api``); the checkpoint path is read by the
+server, on its storage:
+
+* ``sglang``: ``POST /update_weights_from_disk`` with ``model_path``, ``weight_version``
+  and ``flush_cache``; its answer's ``success`` says whether the weights were replaced.
+* ``vllm`` (a server started with ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait``,
+  ``POST /collective_rpc`` of the workers' ``reload_weights`` with ``weights_path``,
+  ``POST /reset_prefix_cache``, ``POST /update_weight_version``, then ``POST /resume``
+  (also after a failure, so the server is never left paused).
+
+The worker is idle when it commits (every request of this worker has finished or was
+aborted). The server loads at commit, so a checkpoint it cannot read fails that commit
+and the worker is taken out of service; ``stage_weights`` refuses at once a path that the
+worker can see and that holds no ``config.json``.
 """
 
 from __future__ import annotations
@@ -30,9 +46,16 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
 )
-from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+from worker_client.exceptions import (
+    EngineError,
+    EngineUnavailableError,
+    PromptTooLongError,
+    WeightsError,
+)
+from worker_client.policy import StagedPath
 
 BACKEND = "openai"
+WEIGHTS_APIS = ("sglang", "vllm")
 
 _FINISH: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
@@ -89,7 +112,7 @@ def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
     return TokenChunk([int(t) for t in token_ids], [float(lp) for lp in logprobs or []], finish)
 
 
-class OpenAIEngine:
+class OpenAIEngine(StagedPath):
     def __init__(
         self,
         base_url: str,
@@ -98,7 +121,13 @@ class OpenAIEngine:
         upstream_model: str,
         api_key: str | None = None,
         timeout_seconds: float = 600.0,
+        weights_api: str | None = None,
     ) -> None:
+        if weights_api is not None and weights_api not in WEIGHTS_APIS:
+            raise EngineUnavailableError(
+                f"weights_api must be one of {', '.join(WEIGHTS_APIS)}, not {weights_api!r}"
+            )
+        self.weights_api = weights_api
         self.base_url = base_url.rstrip("/")
         self._card = card
         self.upstream_model = upstream_model
@@ -121,6 +150,7 @@ class OpenAIEngine:
         api_key: str | None = None,
         max_model_len: int | None = None,
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
+        weights_api: str | None = None,
     ) -> OpenAIEngine:
         """``model_dir`` holds the model's tokenizer and config (the proxy renders with
         them); ``base_url`` is the upstream's ``.../v1``."""
@@ -135,7 +165,13 @@ class OpenAIEngine:
         if window is None:
             raise EngineUnavailableError("give max_model_len: config.json declares no window")
         card = ModelCard(name or path.name, window, LogprobsMode(logprobs_mode), BACKEND)
-        return cls(base_url, card, upstream_model=upstream_model or card.name, api_key=api_key)
+        return cls(
+            base_url,
+            card,
+            upstream_model=upstream_model or card.name,
+            api_key=api_key,
+            weights_api=weights_api,
+        )
 
     @property
     def card(self) -> ModelCard:
@@ -186,7 +222,70 @@ class OpenAIEngine:
         if event is not None:
             event.set()
 
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def server_url(self) -> str:
+        """The upstream's root, where its admin routes live (``base_url`` without /v1)."""
+        return self.base_url.removesuffix("/v1")
+
+    async def stage_weights(self, path: str) -> None:
+        if self.weights_api is None:
+            raise WeightsError(
+                "this openai-backend worker cannot load weights: start it with "
+                f"--weights-api ({' or '.join(WEIGHTS_APIS)}) naming its server's update routes"
+            )
+        if await asyncio.to_thread(_visible_without_config, path):
+            raise WeightsError(f"{path} is not a Hugging Face model directory (no config.json)")
+        self._staged = path
+
+    async def commit_weights(self, version: int) -> None:
+        path = self._take_staged()
+        if self.weights_api == "sglang":
+            answer = await self._admin(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": str(version), "flush_cache": True},
+            )
+            if not (isinstance(answer, dict) and answer.get("success")):
+                message = answer.get("message") if isinstance(answer, dict) else answer
+                raise WeightsError(f"the SGLang server did not load {path}: {message}")
+            return
+        await self._admin("POST", "/pause?mode=wait")
+        try:
+            await self._admin(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": path}},
+            )
+            await self._admin("POST", "/reset_prefix_cache")
+            await self._admin("POST", "/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._admin("POST", "/resume")
+
+    async def _admin(self, method: str, route: str, body: Any = None) -> Any:
+        """One call to the upstream's admin routes; any failure is a ``WeightsError``."""
+        url = f"{self.server_url}{route}"
+        try:
+            async with self._session().request(method, url, json=body) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise WeightsError(f"{method} {route} answered {response.status}: {text[:300]}")
+        except aiohttp.ClientError as exc:
+            raise WeightsError(f"{method} {route}: {type(exc).__name__}: {exc}") from exc
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            return text
+
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+
+def _visible_without_config(path: str) -> bool:
+    """A path the worker can see that is no model directory (the server's storage may
+    differ from the worker's: a path the worker cannot see is left to the server)."""
+    local = Path(path)
+    return local.exists() and not (local / "config.json").is_file()

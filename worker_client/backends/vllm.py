@@ -15,12 +15,23 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   from is an engine setting, ``logprobs_mode`` (``raw_logprobs`` / ``processed_logprobs``).
 * ``output_kind=DELTA``: each ``RequestOutput`` carries only the tokens new since the last
   one; ``detokenize=False``: we need ids, not text.
+* New weights (``WeightLoader``) load through vLLM's own in-place reload: when the worker
+  commits (every request of this worker has finished, or was aborted by an ``abort``
+  update), ``pause_generation`` (nothing runs: it only clears the caches),
+  ``collective_rpc("reload_weights", kwargs={"weights_path", "is_checkpoint_format"})`` on
+  every GPU worker, ``reset_prefix_cache`` (no KV of the old weights is reused),
+  ``update_weight_version``, and ``resume_generation``, also after a failure.
+  ``stage_weights`` checks the checkpoint before any worker is touched: a model directory
+  of the served architecture, with weights in it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import json
 from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
 from typing import Any
 
 from worker_client.engine import (
@@ -31,7 +42,8 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
 )
-from worker_client.exceptions import EngineError, EngineUnavailableError
+from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
+from worker_client.policy import StagedPath
 
 BACKEND = "vllm"
 
@@ -129,7 +141,7 @@ def _finish_reason(reason: str | None, output: Any) -> FinishReason | None:
         ) from None
 
 
-class VLLMEngine:
+class VLLMEngine(StagedPath):
     """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
 
     def __init__(self, llm: Any, card: ModelCard) -> None:
@@ -224,5 +236,44 @@ class VLLMEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    # ------------------------------------------------------------------ weights
+
+    async def stage_weights(self, path: str) -> None:
+        served = getattr(getattr(self._llm.model_config, "hf_config", None), "model_type", None)
+        await asyncio.to_thread(check_checkpoint, path, served)
+        self._staged = path
+
+    async def commit_weights(self, version: int) -> None:
+        path = self._take_staged()
+        llm = self._llm
+        try:
+            await llm.pause_generation(mode="abort", clear_cache=True)
+            try:
+                await llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+                )
+                await llm.reset_prefix_cache()
+                await llm.update_weight_version(str(version))
+            finally:
+                await llm.resume_generation()
+        except Exception as exc:
+            raise WeightsError(f"vLLM did not load {path}: {type(exc).__name__}: {exc}") from exc
+
     async def close(self) -> None:
         self._llm.shutdown()
+
+
+def check_checkpoint(path: str, model_type: str | None) -> None:
+    """Refuse a checkpoint vLLM would fail to reload in place: not a model directory,
+    no weight files, or another architecture than the served one."""
+    root = Path(path)
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise WeightsError(f"{path} is not a Hugging Face model directory: {exc}") from None
+    if not any(root.glob("*.safetensors")) and not any(root.glob("*.bin")):
+        raise WeightsError(f"{path} holds no weights (*.safetensors or *.bin)")
+    if model_type is not None and config.get("model_type") != model_type:
+        raise WeightsError(
+            f"{path} is a {config.get('model_type')!r} model, the served model {model_type!r}"
+        )

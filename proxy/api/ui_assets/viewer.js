@@ -70,7 +70,9 @@ function turnBox(turn) {
   const facts = [
     `${turn.completion_tokens} sampled / ${turn.prompt_tokens} prompt`,
     `worker ${turn.worker_id || "?"}`,
-    turn.policy_version === null || turn.policy_version === undefined ? "no policy version" : `policy v${turn.policy_version}`,
+    turn.policy_versions && turn.policy_versions.length
+      ? `policy ${turn.policy_versions.map((v) => `v${v}`).join("→")}`
+      : "no policy version",
     `queue ${turn.queue_seconds}s · engine ${turn.engine_seconds}s`,
   ];
   if (turn.tool_calls) facts.push(`${turn.tool_calls} tool call(s)`);

@@ -8,7 +8,14 @@ import pytest
 
 from proxy.chat.messages import ChatMessage, ToolCall, extend_key, prefix_keys
 from proxy.exceptions import ConflictError
-from proxy.sessions.model import Session, SessionState, TrialId, TurnMeta, TurnNode
+from proxy.sessions.model import (
+    Session,
+    SessionState,
+    TrialId,
+    TurnMeta,
+    TurnNode,
+    node_versions,
+)
 
 
 def _meta(reason: str = "continued") -> TurnMeta:
@@ -145,3 +152,39 @@ def test_turns_are_not_tracked_by_the_cyclic_garbage_collector() -> None:
     assert not gc.is_tracked(node)
     assert not gc.is_tracked(node.meta)
     assert node.meta.extra is not other.meta.extra
+
+
+def test_the_export_says_which_version_sampled_each_token() -> None:
+    """``response_versions`` follows ``response_ids`` (-1 on context), and each turn lists
+    its spans at absolute response positions: a turn that spans an update has two; a
+    turn recorded without spans falls back to its ``extra["policy_version"]``, else 0."""
+    s = Session(TrialId("t"), "k")
+    first = _add(s, None, [1, 2], [10, 11, 12], b"a")
+    first.meta.versions = [[1, 0, 2], [2, 2, 3]]
+    second = _add(s, 0, [3, 4], [13, 14], b"b")
+    second.meta.extra = {"policy_version": 2}
+    _add(s, 1, [5], [15], b"c")
+    (traj,) = s.export()["trajectories"]
+    assert traj["response_ids"] == [10, 11, 12, 3, 4, 13, 14, 5, 15]
+    assert traj["response_versions"] == [1, 1, 2, -1, -1, 2, 2, -1, 0]
+    assert len(traj["response_versions"]) == len(traj["response_mask"])
+    assert [t["versions"] for t in traj["turns"]] == [
+        [[1, 0, 2], [2, 2, 3]],
+        [[2, 5, 7]],
+        [[0, 8, 9]],
+    ]
+
+
+def test_node_versions_cover_the_whole_completion_or_fall_back() -> None:
+    """Spans that do not cover the completion are not trusted (the turn's version is used
+    instead), and an empty completion has no spans."""
+    s = Session(TrialId("t"), "k")
+    node = _add(s, None, [1], [10, 11, 12], b"a")
+    node.meta.versions = [[3, 0, 2]]
+    node.meta.extra = {"policy_version": 5}
+    assert node_versions(node) == [(5, 0, 3)]
+    node.meta.versions = [[3, 0, 2], [4, 2, 3]]
+    assert node_versions(node) == [(3, 0, 2), (4, 2, 3)]
+    empty = _add(s, None, [2], [], b"b")
+    empty.meta.versions = []
+    assert node_versions(empty) == []

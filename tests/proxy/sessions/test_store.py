@@ -283,6 +283,31 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     assert int(version) == SCHEMA_VERSION == 2
 
 
+async def test_version_spans_round_trip(tmp_path: Path) -> None:
+    """A turn's version spans are stored with it and reload identically, so an export
+    after a restart still says which version sampled each token."""
+    s = _tree()
+    s.nodes[0].meta.versions = [[1, 0, 1], [2, 1, 3]]
+    s.nodes[2].meta.versions = [[2, 0, 3]]
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    await store.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    assert [n.meta.versions for n in loaded.nodes] == [
+        [[1, 0, 1], [2, 1, 3]],
+        [],
+        [[2, 0, 3]],
+        [],
+        [],
+    ]
+    assert loaded.export() == s.export()
+    versions = [t["response_versions"] for t in loaded.export()["trajectories"]]
+    assert versions[0][:3] == [1, 2, 2]
+
+
 async def test_delivery_is_saved_after_the_turn_and_old_rows_count_as_delivered(
     tmp_path: Path,
 ) -> None:

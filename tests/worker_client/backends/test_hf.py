@@ -15,8 +15,14 @@ import torch
 from transformers import AutoTokenizer
 
 from worker_client.backends.hf import HFEngine
+from worker_client.checkpoints import perturbed_checkpoint
 from worker_client.engine import FinishReason, LogprobsMode, SamplingParams, TokenChunk
-from worker_client.exceptions import EngineError, EngineUnavailableError, PromptTooLongError
+from worker_client.exceptions import (
+    EngineError,
+    EngineUnavailableError,
+    PromptTooLongError,
+    WeightsError,
+)
 
 _WINDOW = 131072
 
@@ -433,3 +439,104 @@ async def test_chunked_prefill_matches_single_pass(
     b = _flat(await _chunks(big, long, sampling))
     assert a[0] == b[0]
     assert _max_diff(a[1], b[1]) < 1e-4
+
+
+# ---------------------------------------------------------------------------- new weights
+
+
+def _write_model(base: Path, out: Path, **config_changes: Any) -> Path:
+    """A freshly initialised model of the base's config with ``config_changes``, saved
+    as a trainer saves a checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(base))
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "step-1", seed=1)
+
+
+@pytest.fixture
+def own_engine(tiny_model_dir: Path) -> Iterator[HFEngine]:
+    """An engine with weights of its own (loading changes its model in place)."""
+    loaded = HFEngine.load(tiny_model_dir, name="tiny")
+    yield loaded
+    loaded._executor.shutdown(wait=False)
+
+
+async def test_a_committed_checkpoint_serves_its_own_logprobs(
+    own_engine: HFEngine, checkpoint: Path, prompt: list[int]
+) -> None:
+    """Staging reads a checkpoint without serving it; committing replaces the weights in
+    place: scores and sampled logprobs become the checkpoint's own (1e-5, against the
+    checkpoint loaded fresh), and the KV caches of the old weights are dropped."""
+    reference = HFEngine.load(checkpoint)
+    sampling = SamplingParams(max_tokens=6, seed=5)
+    tokens, _ = _flat(await _chunks(own_engine, prompt, sampling))
+    before = own_engine.score(prompt, tokens)
+    assert own_engine._caches
+    await own_engine.stage_weights(str(checkpoint))
+    assert _max_diff(own_engine.score(prompt, tokens), before) == 0.0
+    await own_engine.commit_weights(1)
+    assert not own_engine._caches
+    after = own_engine.score(prompt, tokens)
+    assert _max_diff(after, reference.score(prompt, tokens)) < 1e-5
+    assert _max_diff(after, before) > 1e-2
+    new_tokens, new_logprobs = _flat(await _chunks(own_engine, prompt, sampling))
+    assert _max_diff(new_logprobs, reference.score(prompt, new_tokens)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["missing", "no weights", "other shapes", "untied embeddings"],
+)
+async def test_a_checkpoint_that_does_not_fit_is_refused_and_changes_nothing(
+    bad: str,
+    own_engine: HFEngine,
+    checkpoint: Path,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    prompt: list[int],
+) -> None:
+    """A missing directory, unreadable weights, parameters of other shapes or another
+    tie_word_embeddings raise WeightsError at staging; the served weights and what was
+    staged before stay as they were."""
+    if bad == "missing":
+        path = tmp_path / "nowhere"
+    elif bad == "no weights":
+        path = tmp_path / "empty"
+        path.mkdir()
+        (path / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    elif bad == "other shapes":
+        path = _write_model(tiny_model_dir, tmp_path / "wide", intermediate_size=128)
+    else:
+        path = _write_model(tiny_model_dir, tmp_path / "untied", tie_word_embeddings=False)
+    tokens = prompt[-4:]
+    before = own_engine.score(prompt, tokens)
+    await own_engine.stage_weights(str(checkpoint))
+    with pytest.raises(WeightsError):
+        await own_engine.stage_weights(str(path))
+    assert own_engine.score(prompt, tokens) == before
+    await own_engine.commit_weights(1)  # what was staged before still loads
+    reference = HFEngine.load(checkpoint)
+    assert _max_diff(own_engine.score(prompt, tokens), reference.score(prompt, tokens)) < 1e-5
+
+
+async def test_discarding_a_staged_checkpoint_forgets_it(
+    own_engine: HFEngine, checkpoint: Path, prompt: list[int]
+) -> None:
+    """After discard nothing is staged: a commit has nothing to serve (WeightsError) and
+    the old weights keep serving."""
+    tokens = prompt[-4:]
+    before = own_engine.score(prompt, tokens)
+    await own_engine.stage_weights(str(checkpoint))
+    await own_engine.discard_weights()
+    with pytest.raises(WeightsError, match="no checkpoint"):
+        await own_engine.commit_weights(1)
+    assert own_engine.score(prompt, tokens) == before

@@ -12,6 +12,7 @@ The others run anywhere, including the main venv, which has no vLLM.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import time
 import typing
@@ -446,3 +447,139 @@ def test_without_vllm_import_works_and_load_is_unavailable(
         module.VLLMEngine.load("some/model")
     with pytest.raises(EngineUnavailableError, match="'vllm' package"):
         module.to_vllm_sampling(SamplingParams(max_tokens=4))
+
+
+# --------------------------------------------------------------------------- weight updates
+
+
+class ReloadingLLM(FakeLLM):
+    """FakeLLM with AsyncLLM's weight-update methods (the signatures vLLM 0.32 has: see
+    test_weight_update_calls_fit_asyncllm), recording the calls in order."""
+
+    def __init__(self, fail_reload: bool = False) -> None:
+        super().__init__([])
+        self.model_config = SimpleNamespace(
+            max_model_len=16, hf_config=SimpleNamespace(model_type="llama")
+        )
+        self.fail_reload = fail_reload
+        self.updates: list[tuple[str, Any]] = []
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.updates.append(("pause_generation", {"mode": mode, "clear_cache": clear_cache}))
+
+    async def resume_generation(self) -> None:
+        self.updates.append(("resume_generation", None))
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - AsyncLLM's own parameter
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        self.updates.append(("collective_rpc", (method, kwargs)))
+        if self.fail_reload:
+            raise RuntimeError("shapes differ")
+        return [None]
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        self.updates.append(("reset_prefix_cache", None))
+        return True
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.updates.append(("update_weight_version", new_version))
+
+
+def _checkpoint(root: Any, model_type: str = "llama", weights: bool = True) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    if weights:
+        (root / "model.safetensors").write_bytes(b"")
+    return str(root)
+
+
+async def test_weights_reload_in_place_through_vllm(tmp_path: Any) -> None:
+    """A staged checkpoint is loaded by vLLM's own in-place reload on commit: pause, reload
+    on every GPU worker, reset the prefix cache, stamp the version, resume."""
+    llm = ReloadingLLM()
+    vllm_engine = engine(llm)
+    path = _checkpoint(tmp_path / "step-1")
+    await vllm_engine.stage_weights(path)
+    assert llm.updates == []  # staging touches no engine
+    await vllm_engine.commit_weights(3)
+    assert llm.updates == [
+        ("pause_generation", {"mode": "abort", "clear_cache": True}),
+        (
+            "collective_rpc",
+            ("reload_weights", {"weights_path": path, "is_checkpoint_format": True}),
+        ),
+        ("reset_prefix_cache", None),
+        ("update_weight_version", "3"),
+        ("resume_generation", None),
+    ]
+
+
+async def test_weights_that_do_not_fit_are_refused_before_vllm_is_touched(tmp_path: Any) -> None:
+    """A path that is no model directory, holds no weights or is another architecture is
+    refused when staged; vLLM is never paused for it."""
+    from worker_client.exceptions import WeightsError
+
+    llm = ReloadingLLM()
+    vllm_engine = engine(llm)
+    for path, reason in [
+        (str(tmp_path / "missing"), "not a Hugging Face model"),
+        (_checkpoint(tmp_path / "empty", weights=False), "no weights"),
+        (_checkpoint(tmp_path / "other", model_type="qwen3"), "'qwen3' model"),
+    ]:
+        with pytest.raises(WeightsError, match=reason):
+            await vllm_engine.stage_weights(path)
+    with pytest.raises(WeightsError, match="staged"):
+        await vllm_engine.commit_weights(1)
+    assert llm.updates == []
+
+
+async def test_a_failed_reload_is_a_weights_error_and_vllm_resumes(tmp_path: Any) -> None:
+    """vLLM failing to reload becomes WeightsError (the worker leaves service), and
+    generation is resumed all the same."""
+    from worker_client.exceptions import WeightsError
+
+    llm = ReloadingLLM(fail_reload=True)
+    vllm_engine = engine(llm)
+    await vllm_engine.stage_weights(_checkpoint(tmp_path / "step-1"))
+    with pytest.raises(WeightsError, match="shapes differ"):
+        await vllm_engine.commit_weights(1)
+    assert llm.updates[-1] == ("resume_generation", None)
+
+
+def test_weight_update_calls_fit_asyncllm(vllm_mod: Any) -> None:
+    """Every AsyncLLM method the backend calls exists with the arguments it passes, and
+    the GPU worker's reload_weights takes weights_path and is_checkpoint_format."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("pause_generation", (), {"mode": "abort", "clear_cache": True}),
+        ("collective_rpc", ("reload_weights",), {"kwargs": {"weights_path": "p"}}),
+        ("reset_prefix_cache", (), {}),
+        ("update_weight_version", ("3",), {}),
+        ("resume_generation", (), {}),
+    ]
+    for name, args, kwargs in calls:
+        method = getattr(AsyncLLM, name)
+        assert inspect.iscoroutinefunction(method), name
+        inspect.signature(method).bind(None, *args, **kwargs)
+    assert set(inspect.signature(ReloadingLLM.pause_generation).parameters) == set(
+        inspect.signature(AsyncLLM.pause_generation).parameters
+    )
+    # Read, not imported: importing the GPU model runner needs GPU-only packages.
+    spec = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner")
+    assert spec is not None
+    assert spec.origin is not None
+    with open(spec.origin, encoding="utf-8") as source_file:
+        source = source_file.read()
+    assert "def reload_weights(" in source
+    assert "weights_path: str | None = None" in source
+    assert "is_checkpoint_format: bool = True" in source

@@ -1,0 +1,357 @@
+"""TRL adapter: ``trl.GRPOTrainer(rollout_func=RelayRollout(...), reward_funcs=relay_reward)``.
+
+TRL (1.16) calls ``rollout_func(prompts, trainer)`` once per generation batch, with every
+prompt already repeated ``num_generations`` times in a row, and expects one completion per
+element of ``prompts``, in order. ``RelayRollout`` answers with one agent episode per
+prompt, run through ``sdk.agent_loop.RemoteAgentLoop`` (a task server, or an in-process
+agent callable through ``sdk.taskserver.inprocess``) against the proxy:
+
+* ``prompt_ids`` / ``completion_ids`` / ``logprobs``: the exact ids and logprobs the worker
+  sampled (the first prompt, then every turn and the context between turns);
+* ``env_mask``: the response mask (1 = sampled by the policy, 0 = tool results and other
+  context between turns); TRL trains only where it is 1;
+* ``relay_reward``: the episode's reward, for the reward function ``relay_reward`` (TRL
+  forwards every extra key to the reward functions as a keyword argument);
+* ``relay_versions``: per completion token, the weights version that sampled it (-1 where
+  the mask is 0); ``relay_trial_id``: the trial each completion came from.
+
+The prompt is a task reference: ``task_of(prompt)`` gives the task handed to the agent
+loop (by default the prompt itself, a task directory). TRL passes nothing but the prompts
+to a ``rollout_func``, so the dataset's ``prompt`` column names the task.
+
+Weights: the worker must sample step N's batch with the weights of step N. The first call
+asks the proxy which version it serves (``GET /weights``); at the start of every call,
+when ``trainer.state.global_step`` has moved past the served version, the
+trainer's model is saved to ``<checkpoint_dir>/step-<N>`` (a fresh directory, written
+atomically) and the proxy is told to serve it (``POST /weights`` with version N) before
+anything is sampled. Version 0 is the weights the workers started with, which must be the
+trainer's initial model. With one generation batch per optimizer step (TRL's default:
+``steps_per_generation`` equal to ``gradient_accumulation_steps``) every sampled token of
+step N then carries version N; ``RolloutBatch`` lets a caller check it, and measures the
+on-policy gap (recorded logprobs against the trainer's own teacher forcing).
+
+TRL's ``rollout_func`` is synchronous and called from inside ``trainer.train()``, while the
+SDK is asyncio code whose connections (and possibly the proxy and worker themselves) must
+live between calls: ``BackgroundLoop`` runs one event loop on a daemon thread for all of
+it, and the rollout blocks on it. The trainer waits while episodes run and the worker
+idles while the trainer steps, so the two do not compete for the CPU.
+
+TRL's own weight sync (``VLLMClient``) needs NCCL and CUDA; this one needs only storage the
+workers can read. With ``use_vllm=False`` TRL takes the ratio's old logprobs from its own
+forward pass; the recorded ones serve ``off_policy_mask_threshold`` and the gap check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sdk.agent_loop import RemoteAgentLoop, RolloutResult
+from sdk.client import ProxyClient
+from sdk.samples import BranchPolicy, Sample
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REWARD_KEY = "relay_reward"
+VERSIONS_KEY = "relay_versions"
+TRIAL_KEY = "relay_trial_id"
+CHECKPOINT_PREFIX = "step-"
+
+
+class BackgroundLoop:
+    """An asyncio event loop on a daemon thread; ``run(coro)`` blocks until it is done."""
+
+    def __init__(self, name: str = "relay-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<BackgroundLoop {self._thread.name} running={self.loop.is_running()}>"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and return its result (its exception is raised here)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BackgroundLoop.run called from its own thread would deadlock")
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+    def __enter__(self) -> BackgroundLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def needs_push(served_version: int, global_step: int) -> bool:
+    """Whether the trainer's weights moved since the version the workers serve."""
+    if global_step < served_version:
+        raise ValueError(
+            f"the trainer is at step {global_step} but the workers serve version "
+            f"{served_version}: versions only increase (a resumed run must start from the "
+            "served version or later)"
+        )
+    return global_step != served_version
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """Per response token, the weights version that sampled it (-1 where the mask is 0)."""
+    return list(sample.response_versions)
+
+
+def off_step_tokens(sample: Sample, step: int) -> int:
+    """How many trained tokens (mask 1) of ``sample`` were not sampled by version ``step``."""
+    return sum(
+        1
+        for v, m in zip(token_versions(sample), sample.response_mask, strict=True)
+        if m and v != step
+    )
+
+
+def teacher_forced_logprobs(
+    model: Any, prompt_ids: Sequence[int], response_ids: Sequence[int]
+) -> list[float]:
+    """The model's logprob of each response id given everything before it, in float32."""
+    import torch
+
+    ids = torch.tensor([[*prompt_ids, *response_ids]], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    start = len(prompt_ids) - 1
+    scores = torch.log_softmax(logits[start : start + len(response_ids)], dim=-1)
+    target = ids[0, len(prompt_ids) :].unsqueeze(-1)
+    return [float(x) for x in scores.gather(-1, target).squeeze(-1)]
+
+
+def on_policy_gap(model: Any, samples: Sequence[Sample]) -> float:
+    """The largest |recorded − teacher-forced| logprob over the sampled (mask 1) tokens."""
+    was_training = bool(model.training)
+    model.eval()  # no dropout: the same function the worker sampled from
+    try:
+        worst = 0.0
+        for sample in samples:
+            scored = teacher_forced_logprobs(model, sample.prompt_ids, sample.response_ids)
+            for m, recorded, actual in zip(
+                sample.response_mask, sample.response_logprobs, scored, strict=True
+            ):
+                if m:
+                    worst = max(worst, abs(recorded - actual))
+        return worst
+    finally:
+        model.train(was_training)
+
+
+def relay_reward(
+    completions: Sequence[Any], relay_reward: Sequence[float | None], **_: Any
+) -> list[float | None]:
+    """The reward function for ``GRPOTrainer(reward_funcs=...)``: each episode's reward as
+    ``RelayRollout`` forwarded it (None, for an unrewarded episode, becomes NaN in TRL)."""
+    if len(relay_reward) != len(completions):
+        raise ValueError(f"{len(relay_reward)} rewards for {len(completions)} completions")
+    return [None if r is None else float(r) for r in relay_reward]
+
+
+@dataclass(slots=True, frozen=True)
+class WeightPush:
+    version: int
+    path: Path
+    seconds: float  # saving plus POST /weights until every worker served it
+    answer: Mapping[str, Any]  # the proxy's answer: {"version", "path", "workers"}
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """One call of the rollout: the step it sampled for and what came back."""
+
+    step: int  # trainer.state.global_step when sampled: the weights version pushed for it
+    results: list[RolloutResult]
+    samples: list[Sample]  # one per prompt, in TRL's order
+    seconds: float  # running the episodes
+    push: WeightPush | None = None
+    gap: float | None = None  # on_policy_gap under the trainer's model of this step
+    gap_seconds: float = 0.0
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def mean_reward(self) -> float:
+        values = [r for r in self.rewards if r is not None]
+        return sum(values) / len(values) if values else float("nan")
+
+    @property
+    def versions(self) -> list[int]:
+        """Every distinct version among the trained tokens, sorted."""
+        return sorted(
+            {
+                v
+                for s in self.samples
+                for v, m in zip(token_versions(s), s.response_mask, strict=True)
+                if m
+            }
+        )
+
+    @property
+    def off_step_tokens(self) -> int:
+        return sum(off_step_tokens(s, self.step) for s in self.samples)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(s.sampled_tokens for s in self.samples)
+
+
+@dataclass(slots=True)
+class RelayRollout:
+    """TRL's ``rollout_func``: one agent episode per prompt, the weights pushed per step.
+
+    ``loop`` runs the SDK's coroutines; ``proxy`` needs the admin token when the proxy has
+    one (``POST /weights``). ``checkpoint_dir`` must be readable by every worker at the
+    same path; ``keep_checkpoints`` of them are kept (the served one always).
+    ``measure_gap`` teacher-forces every batch with the trainer's model (a forward pass
+    over the batch) and records ``RolloutBatch.gap``; ``on_batch`` sees each batch.
+    """
+
+    loop: BackgroundLoop
+    proxy: ProxyClient
+    agent_loop: RemoteAgentLoop
+    checkpoint_dir: Path
+    task_of: Callable[[Any], str | Path] = str
+    max_concurrent: int = 16
+    keep_checkpoints: int = 2
+    measure_gap: bool = False
+    on_batch: Callable[[RolloutBatch], None] | None = None
+    # The version the workers serve; None until the proxy has been asked (first call).
+    served_version: int | None = None
+    history: list[RolloutBatch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.agent_loop.config.branch_policy is BranchPolicy.ALL:
+            raise ValueError(
+                "TRL takes one completion per prompt: use branch_policy longest or last"
+            )
+        if self.max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        if self.keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be at least 1")
+
+    def __repr__(self) -> str:
+        return f"<RelayRollout version={self.served_version} batches={len(self.history)}>"
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, trainer: Any) -> WeightPush | None:
+        """Push the trainer's weights when its step moved since the served version."""
+        step = int(trainer.state.global_step)
+        if self.served_version is None:
+            # A proxy that already serves a later version (another run's) refuses this
+            # run's versions rather than sampling with weights the trainer never had.
+            current = self.loop.run(self.proxy.weights())
+            self.served_version = int(current["version"])
+        if not needs_push(self.served_version, step):
+            return None
+        started = time.monotonic()
+        path = self._save(trainer, step)
+        answer = self.loop.run(self.proxy.update_weights(step, path=str(path)))
+        served = int(answer["version"])
+        if served != step:
+            raise RuntimeError(f"the proxy answered version {served} to an update to {step}")
+        self.served_version = step
+        self._prune(keep=path)
+        push = WeightPush(step, path, time.monotonic() - started, answer)
+        log.info("weights version %d (%s) served after %.2fs", step, path, push.seconds)
+        return push
+
+    def _save(self, trainer: Any, step: int) -> Path:
+        from worker_client.tiny_model import save_atomically
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        return save_atomically(
+            self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{step}", model, trainer.processing_class
+        )
+
+    def _prune(self, keep: Path) -> None:
+        steps = sorted(
+            (int(p.name.removeprefix(CHECKPOINT_PREFIX)), p)
+            for p in self.checkpoint_dir.glob(f"{CHECKPOINT_PREFIX}*")
+            if p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
+        )
+        for _, path in steps[: -self.keep_checkpoints]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ rollout
+
+    async def _episodes(self, prompts: Sequence[Any]) -> list[RolloutResult]:
+        """One episode per prompt; a task that fails every attempt fails the batch, and
+        the episodes still running are cancelled (their agents with them)."""
+        slots = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(prompt: Any) -> RolloutResult:
+            async with slots:
+                return await self.agent_loop.run(self.task_of(prompt))
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(p)) for p in prompts]
+        except ExceptionGroup as errors:  # the first failure, as agent_loop.run raised it
+            raise errors.exceptions[0] from None
+        return [task.result() for task in tasks]
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        push = self.sync_weights(trainer)
+        started = time.monotonic()
+        results = self.loop.run(self._episodes(prompts))
+        samples = [result.samples[0] for result in results]
+        assert self.served_version is not None  # sync_weights asked the proxy
+        batch = RolloutBatch(
+            step=self.served_version,
+            results=results,
+            samples=samples,
+            seconds=time.monotonic() - started,
+            push=push,
+        )
+        if self.measure_gap:
+            gap_started = time.monotonic()
+            batch.gap = on_policy_gap(trainer.accelerator.unwrap_model(trainer.model), samples)
+            batch.gap_seconds = time.monotonic() - gap_started
+        self.history.append(batch)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        return rollout_output(samples)
+
+
+def rollout_output(samples: Sequence[Sample]) -> dict[str, list[Any]]:
+    """The dict TRL's ``rollout_func`` returns, one entry per sample, in order."""
+    return {
+        "prompt_ids": [list(s.prompt_ids) for s in samples],
+        "completion_ids": [list(s.response_ids) for s in samples],
+        "logprobs": [list(s.response_logprobs) for s in samples],
+        "env_mask": [list(s.response_mask) for s in samples],
+        REWARD_KEY: [s.reward for s in samples],
+        VERSIONS_KEY: [token_versions(s) for s in samples],
+        TRIAL_KEY: [s.trial_id for s in samples],
+    }
