@@ -187,6 +187,19 @@ class ProxyMetrics:
             ["api"],
             registry=r,
         )
+        self.replayed_turns = Counter(
+            "relay_turns_replayed",
+            "Retried requests answered with the recorded reply (nothing sampled)",
+            ["api"],
+            registry=r,
+        )
+        self.undelivered_turns = Counter(
+            "relay_turns_undelivered",
+            "Turns whose reply did not reach the client (cut, or its end not written);"
+            " none of them is trained by default",
+            ["api"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "relay_prompt_tokens", "Prompt tokens sent to workers", ["api"], registry=r
         )

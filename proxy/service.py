@@ -31,6 +31,7 @@ from proxy.exceptions import (
     ContextLengthError,
     ProxyError,
     ServiceUnavailableError,
+    StorageError,
     TooManyRequestsError,
     UpstreamError,
 )
@@ -42,6 +43,7 @@ from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
 from proxy.sessions.options import CapFinish
+from proxy.sessions.retries import RetryAction, RetryMarks, decide
 from proxy.sessions.store import SessionStore
 from proxy.toolcalls import (
     ContentDelta,
@@ -85,6 +87,8 @@ class TurnRequest:
     # A raw prompt (legacy completions): sent as given, no chat template; ``messages``
     # and ``tools`` are then empty.
     prompt_ids: tuple[int, ...] | None = None
+    # How the request's attempts are told apart (None: it is never treated as a retry).
+    marks: RetryMarks | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +102,7 @@ class TurnResult:
     completion_tokens: int
     stop_sequence: str | None = None  # which stop string ended the generation
     reasoning: str = ""  # the reasoning the model wrote before its answer
+    replayed: bool = False  # a retry answered with the recorded reply of ``node``
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,20 +146,36 @@ class EventSink(Protocol):
         """Write these events (never ``TurnDone``) to the client, without waiting."""
 
 
+class _Live:
+    """An attempt in flight, which retries of the same body wait for (``done``: its turn
+    is recorded, or it ended without one)."""
+
+    __slots__ = ("client_request_id", "done")
+
+    def __init__(self, client_request_id: str) -> None:
+        self.client_request_id = client_request_id
+        self.done = asyncio.Event()
+
+
 @dataclass(slots=True)
 class PreparedTurn:
-    """A turn that passed validation and was dispatched to a worker."""
+    """A turn that passed validation and was dispatched to a worker, or a retry that is
+    answered with a recorded reply (``replay``; no call then)."""
 
     session: Session
     request: TurnRequest
     served: ServedModel
     plan: PromptPlan
     sampling: protocol.Sampling
-    call: RelayCall
+    call: RelayCall | None
     started: float
     received_at: float = 0.0  # when the turn's request reached the service
     # The response writer, when a single stream writes this turn's events (see stream()).
     sink: EventSink | None = None
+    replay: TurnNode | None = None  # the recorded turn a retry is answered with
+    retry_of: int | None = None  # the earlier (cut) attempt this sampled turn replaces
+    live: _Live | None = None  # registered while in flight, for retries to join
+    detached: bool = False  # finished in the background after its client left
 
 
 class TurnService:
@@ -178,6 +199,9 @@ class TurnService:
         # Where recorded turns are committed (None: in memory only).
         self.store: SessionStore | None = None
         self.limits = Limits()
+        # Attempts in flight by (trial, request hash): a retry of one waits for it.
+        self._live: dict[tuple[str, str], _Live] = {}
+        self._detached: set[asyncio.Task[None]] = set()
 
     async def _served(self, session: Session, requested: str) -> ServedModel:
         served = await self.pool.wait_for_models()
@@ -229,31 +253,133 @@ class TurnService:
             max_model_len=served.max_model_len,
             stop_token_ids=renderer.stop_token_ids,
         )
+        if plan.parent is not None:
+            # The agent continues that reply: it had it, whatever its delivery said.
+            self._delivered(session, session.nodes[plan.parent])
+        retry_of: int | None = None
+        live: _Live | None = None
+        marks = request.marks
+        if marks is not None:
+            replay, retry_of = await self._retry(session, marks)
+            if replay is not None and replay.meta.model == served.name:
+                return PreparedTurn(
+                    session,
+                    request,
+                    served,
+                    plan,
+                    sampling,
+                    None,
+                    time.perf_counter(),
+                    received_at=received,
+                    replay=replay,
+                )
+            if replay is not None:  # recorded by a model no longer served: sample anew
+                retry_of = replay.index
+            live = _Live(marks.client_request_id)
+            self._live[(session.trial_id, marks.request_hash)] = live
         started = time.perf_counter()
         try:
             call = await self.pool.start(
                 served.name, plan.prompt_ids, sampling, affinity=session.trial_id
             )
-        except NoWorkerAvailableError as exc:
-            raise self._unavailable(exc) from None
-        except PoolOverloadedError as exc:
-            if exc.scope == "trial":
-                raise TooManyRequestsError(
-                    str(exc), retry_after=self.retry_after_seconds, code="too_many_requests"
+        except BaseException as exc:
+            if live is not None:
+                self._release(session, marks, live)
+            if isinstance(exc, NoWorkerAvailableError):
+                raise self._unavailable(exc) from None
+            if isinstance(exc, PoolOverloadedError):
+                if exc.scope == "trial":
+                    raise TooManyRequestsError(
+                        str(exc), retry_after=self.retry_after_seconds, code="too_many_requests"
+                    ) from None
+                raise ServiceUnavailableError(
+                    str(exc), retry_after=self.retry_after_seconds, code="overloaded"
                 ) from None
-            raise ServiceUnavailableError(
-                str(exc), retry_after=self.retry_after_seconds, code="overloaded"
-            ) from None
+            raise
         return PreparedTurn(
-            session, request, served, plan, sampling, call, started, received_at=received
+            session,
+            request,
+            served,
+            plan,
+            sampling,
+            call,
+            started,
+            received_at=received,
+            retry_of=retry_of,
+            live=live,
         )
+
+    async def _retry(
+        self, session: Session, marks: RetryMarks
+    ) -> tuple[TurnNode | None, int | None]:
+        """The recorded turn a retry is answered with, or (None, the cut attempt a new
+        sample replaces, if any). A marked retry of an attempt still in flight waits for
+        it to be recorded first."""
+        key = (session.trial_id, marks.request_hash)
+        while True:
+            live = self._live.get(key)
+            index = session.by_request.get(marks.request_hash)
+            decision = decide(
+                marks,
+                live_request_id=live.client_request_id if live is not None else None,
+                earlier=session.nodes[index] if index is not None else None,
+            )
+            if decision.action is RetryAction.JOIN:
+                assert live is not None
+                await live.done.wait()
+                session.require_active()
+                continue
+            if decision.action is RetryAction.REPLAY:
+                assert decision.retry_of is not None
+                return session.nodes[decision.retry_of], None
+            return None, decision.retry_of
+
+    def _release(self, session: Session, marks: RetryMarks | None, live: _Live) -> None:
+        if marks is not None:
+            key = (session.trial_id, marks.request_hash)
+            if self._live.get(key) is live:
+                del self._live[key]
+        live.done.set()
+
+    def _settled(self, prepared: PreparedTurn, *, detached: bool = False) -> None:
+        """The attempt is over (recorded, or ended without a turn): retries stop waiting."""
+        if prepared.detached and not detached:
+            return  # the background task that finishes it settles it
+        live = prepared.live
+        if live is not None:
+            prepared.live = None
+            self._release(prepared.session, prepared.request.marks, live)
+
+    def settle_delivery(
+        self, session: Session, nodes: Sequence[TurnNode], delivered: bool, *, replay: bool = False
+    ) -> None:
+        """After a reply's last write: ``delivered`` when its last byte was handed to the
+        client. Recorded on each turn the reply carried."""
+        for node in nodes:
+            if delivered:
+                self._delivered(session, node)
+            elif not replay and not node.meta.truncated and self.metrics is not None:
+                self.metrics.undelivered_turns.labels(node.meta.api).inc()
+
+    def _delivered(self, session: Session, node: TurnNode) -> None:
+        if node.meta.delivered or not _recorded(session, node):
+            return
+        node.meta.delivered = True
+        self._save_meta(session, node)
+
+    def _save_meta(self, session: Session, node: TurnNode) -> None:
+        if self.store is not None and _recorded(session, node):
+            self.store.save_turn_meta(session, node).add_done_callback(_log_failed_write)
 
     async def run_turn(self, session: Session, request: TurnRequest) -> TurnResult:
         """A whole turn, for non-streaming APIs."""
         prepared = await self.start(session, request)
-        async for event in self.stream(prepared, incremental=False):
-            if isinstance(event, TurnDone):
-                return event.result
+        try:
+            async for event in self.stream(prepared, incremental=False):
+                if isinstance(event, TurnDone):
+                    return event.result
+        finally:
+            self._settled(prepared)
         raise UpstreamError("the turn ended without a result")  # pragma: no cover
 
     @contextlib.asynccontextmanager
@@ -269,7 +395,9 @@ class TurnService:
             yield events
         finally:
             await events.aclose()
-            await prepared.call.cancel()
+            if prepared.call is not None:
+                await prepared.call.cancel()
+            self._settled(prepared)
 
     async def stream(
         self, prepared: PreparedTurn, *, incremental: bool = True
@@ -288,6 +416,12 @@ class TurnService:
 
         If the consumer goes away (the agent disconnected), the generation is cancelled on
         the worker and what was sampled so far is recorded as a truncated turn."""
+        if prepared.replay is not None:
+            async for out in self._replay(prepared, prepared.replay):
+                yield out
+            return
+        call = prepared.call
+        assert call is not None
         request = prepared.request
         incremental = incremental or bool(request.stop)
         decoding = _Decoding(prepared)
@@ -303,12 +437,12 @@ class TurnService:
 
         if incremental and not request.stop:
             # A stop string needs the worker cancelled when it matches: not in the relay.
-            prepared.call.deliver_to(deliver)
+            call.deliver_to(deliver)
         finished: FinishedEvent | None = None
         try:
             try:
                 wake_after = self.stream_interval if incremental else None
-                async for event in prepared.call.events(wake_after=wake_after):
+                async for event in call.events(wake_after=wake_after):
                     if isinstance(event, TokensEvent):
                         if not incremental:
                             decoding.add(event)
@@ -316,14 +450,14 @@ class TurnService:
                         for out in decoding.feed(event):
                             yield out
                         if decoding.stopper.hit is not None:
-                            await prepared.call.cancel()
+                            await call.cancel()
                             finished = FinishedEvent(
-                                "stop_sequence", prepared.call.worker_id or WorkerId(""), {}
+                                "stop_sequence", call.worker_id or WorkerId(""), {}
                             )
                             break
                     elif isinstance(event, RestartedEvent):
                         if decoding.shown:
-                            await prepared.call.cancel()
+                            await call.cancel()
                             raise UpstreamError(
                                 "the worker was lost after the reply had started streaming",
                                 code="worker_lost",
@@ -344,7 +478,7 @@ class TurnService:
             except RelayError as exc:
                 raise ProxyError(f"relay error: {exc}") from None
             finally:
-                prepared.call.deliver_to(None)
+                call.deliver_to(None)
         except ProxyError:
             if decoding.detok.ids:
                 # The worker failed mid-turn: what it sampled is kept as a truncated turn.
@@ -352,14 +486,22 @@ class TurnService:
                     prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
                 )
                 self._commit_later(prepared.session, cut.node)
+            self._settled(prepared)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            await prepared.call.cancel()
+            if not incremental and prepared.live is not None and not call.cancelled:
+                # A whole reply whose client stopped waiting (an SDK's timeout): it is
+                # finished anyway, so the client's retry joins it or gets it from the record
+                # instead of starting over (and timing out again).
+                self._detach(prepared, decoding)
+                raise
+            await call.cancel()
             cut = self._record(
                 prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
             )
             # Nobody waits for this reply; the write is queued and committed regardless.
             self._commit_later(prepared.session, cut.node)
+            self._settled(prepared)
             raise
         if finished is None:
             raise UpstreamError("the worker stream ended without finishing")
@@ -380,7 +522,99 @@ class TurnService:
         # Durable before the agent is answered: TurnDone is what writes the reply's end
         # (the whole body, or the stream's final events).
         await self._commit(prepared.session, result.node)
+        self._settled(prepared)
         for out in last:
+            yield out
+        yield TurnDone(result)
+
+    def _detach(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
+        prepared.detached = True
+        task = asyncio.get_running_loop().create_task(self._finish_detached(prepared, decoding))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    async def _finish_detached(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
+        """Sample the rest of a non-streamed reply whose client left, and record it whole
+        and undelivered (or cut, if the worker fails): a retry is answered with it."""
+        call = prepared.call
+        assert call is not None
+        finished: FinishedEvent | None = None
+        try:
+            try:
+                async for event in call.events(wake_after=None):
+                    if isinstance(event, TokensEvent):
+                        decoding.add(event)
+                    elif isinstance(event, RestartedEvent):
+                        decoding = _Decoding(prepared)
+                    elif isinstance(event, FinishedEvent):
+                        finished = event
+            except (RelayError, NoWorkerAvailableError):
+                finished = None
+            if finished is None:
+                cut = self._record(
+                    prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+                )
+                self._commit_later(prepared.session, cut.node)
+                return
+            _, parsed = decoding.finish()
+            result = self._record(
+                prepared,
+                decoding.detok.ids,
+                decoding.logprobs,
+                finished,
+                parsed,
+                truncated=False,
+                reasoning="".join(decoding.splitter.reasoning),
+            )
+            if self.metrics is not None:
+                self.metrics.undelivered_turns.labels(prepared.request.api).inc()
+            self._commit_later(prepared.session, result.node)
+        except asyncio.CancelledError:  # the proxy stops
+            await call.cancel()
+            cut = self._record(
+                prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+            )
+            self._commit_later(prepared.session, cut.node)
+            raise
+        except StorageError as exc:  # the store closed first: the proxy is stopping
+            log.warning("a reply finished after its client left could not be saved: %s", exc)
+        finally:
+            self._settled(prepared, detached=True)
+
+    async def _replay(
+        self, prepared: PreparedTurn, node: TurnNode
+    ) -> AsyncGenerator[TurnEvent, None]:
+        """A retry answered with a recorded reply: its events, decoded from the recorded
+        ids for this request's API, and the result. Nothing is sampled or recorded."""
+        decoding = _Decoding(prepared)
+        events = decoding.feed_ids(node.completion_ids, node.logprobs)
+        last, parsed = decoding.finish()
+        streamed = decoding.calls
+        calls = tuple(
+            streamed[i]
+            if i < len(streamed)
+            else ToolCall(_call_id(c, streamed), c.name, c.arguments)
+            for i, c in enumerate(parsed.tool_calls)
+        )
+        meta = node.meta
+        meta.replays += 1
+        self._save_meta(prepared.session, node)
+        if self.metrics is not None:
+            self.metrics.replayed_turns.labels(prepared.request.api).inc()
+        stop_cap = meta.capped and prepared.session.options.cap_finish is CapFinish.STOP
+        result = TurnResult(
+            node=node,
+            model=meta.model,
+            content=parsed.content,
+            tool_calls=calls,
+            finish_reason="stop" if stop_cap else meta.finish_reason,
+            prompt_tokens=node.prompt_len,
+            completion_tokens=len(node.completion_ids),
+            stop_sequence=meta.stop_sequence,
+            reasoning="".join(decoding.splitter.reasoning),
+            replayed=True,
+        )
+        for out in (*events, *last):
             yield out
         yield TurnDone(result)
 
@@ -418,6 +652,7 @@ class TurnService:
                 else ToolCall(_call_id(c, made), c.name, c.arguments)
             )
         tool_calls = tuple(made)
+        marks = prepared.request.marks
         returned = ChatMessage(role="assistant", content=parsed.content, tool_calls=tool_calls)
         choice = prepared.request.tool_choice
         unmet = (choice == "required" and not tool_calls) or (
@@ -425,6 +660,7 @@ class TurnService:
             and not any(c.name == choice for c in tool_calls)
         )
         call = prepared.call
+        assert call is not None
         dispatched = call.started_at or prepared.started
         finish = finished.finish_reason if finished is not None else "abort"
         asked = prepared.request.sampling.max_tokens
@@ -461,13 +697,17 @@ class TurnService:
                 capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
                 versions=[list(span) for span in call.version_spans(len(ids))],
+                delivered=False,  # until its reply's end is written (settle_delivery)
+                retry_of=prepared.retry_of,
+                request_hash=marks.request_hash if marks is not None else "",
+                client_request_id=marks.client_request_id if marks is not None else "",
             ),
         )
         if session.state is SessionState.ACTIVE:
             session.add_turn(node)
         if self.metrics is not None:
             now = time.perf_counter()
-            first = prepared.call.first_token_at
+            first = call.first_token_at
             self.metrics.observe_turn(
                 api=prepared.request.api,
                 finish_reason=finish,
@@ -479,6 +719,8 @@ class TurnService:
                 total_seconds=now - prepared.received_at,
                 first_token_seconds=None if first is None else first - prepared.received_at,
             )
+            if truncated:  # a cut reply never reaches the client whole
+                self.metrics.undelivered_turns.labels(prepared.request.api).inc()
         return TurnResult(
             node=node,
             model=prepared.served.name,
@@ -520,8 +762,11 @@ class _Decoding:
 
     def feed(self, tokens: TokensEvent) -> list[TurnEvent]:
         """The events a step's tokens make (none while text is held back)."""
-        self.logprobs.extend(tokens.logprobs)
-        text = self.stopper.feed(self.detok.push(tokens.token_ids))
+        return self.feed_ids(tokens.token_ids, tokens.logprobs)
+
+    def feed_ids(self, ids: Sequence[int], logprobs: Sequence[float]) -> list[TurnEvent]:
+        self.logprobs.extend(logprobs)
+        text = self.stopper.feed(self.detok.push(ids))
         if not text:
             return []
         events = list(_parsed(self.parser, self.splitter.feed(text), self.calls))

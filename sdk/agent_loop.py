@@ -65,7 +65,8 @@ class AgentLoopConfig:
     ``agent``/``model``/``agent_settings`` go to the task server; ``sampling`` (temperature,
     top_p, top_k, seed, max_tokens) is the trial's sampling on the proxy, which overrides
     what the agent asks for. ``branch_policy``, ``shared_turns``, ``max_prompt_tokens`` /
-    ``max_response_tokens`` and ``overlong_prompt``: see ``sdk.samples``.
+    ``max_response_tokens``, ``overlong_prompt`` and ``keep_undelivered`` (train replies
+    the agent never received too): see ``sdk.samples``.
     """
 
     agent: str
@@ -82,6 +83,7 @@ class AgentLoopConfig:
     agent_settings: Mapping[str, Any] = field(default_factory=dict)
     # A finished run without any reward: retry it (True) or keep its samples unrewarded.
     retry_without_reward: bool = True
+    keep_undelivered: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -227,14 +229,10 @@ class RemoteAgentLoop:
                 max_response_tokens=cfg.max_response_tokens,
                 shared_turns=cfg.shared_turns,
                 overlong_prompt=cfg.overlong_prompt,
+                keep_undelivered=cfg.keep_undelivered,
             )
             if not samples:
-                attempt.error = (
-                    f"every trajectory's prompt is over max_prompt_tokens="
-                    f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"
-                    if export.get("trajectories")
-                    else "the agent made no model call through the proxy"
-                )
+                attempt.error = _why_no_samples(export, cfg)
                 return None
             attempt.advance(AttemptState.COLLECTED)
             timings = {
@@ -279,3 +277,14 @@ class RemoteAgentLoop:
                 attempt.error = f"delete failed: {exc}"
             return
         attempt.advance(AttemptState.DELETED)
+
+
+def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig) -> str:
+    if not export.get("trajectories"):
+        return "the agent made no model call through the proxy"
+    if not build_samples(export, keep_undelivered=cfg.keep_undelivered):
+        return "no reply reached the agent: every turn was undelivered or superseded by a retry"
+    return (
+        f"every trajectory's prompt is over max_prompt_tokens="
+        f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"
+    )

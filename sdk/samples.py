@@ -44,6 +44,13 @@ asynchronous trainers bound by default) is stale. ``stale`` says what happens th
 
 Without ``current_version`` nothing is stale (a synchronous trainer samples each batch
 with the weights it trains).
+
+Only what the agent received is trained: a turn whose reply never reached the client
+(``delivered: false``: the client left mid-reply, or the proxy died between recording the
+reply and writing it) or that a retry replaced (another turn's ``retry_of``) is left out,
+unless a later turn continues it (the agent evidently had it). A trajectory ends before its
+first such turn; one that is then a part of another is dropped, one that starts with one is
+dropped. ``keep_undelivered=True`` trains the export as it is.
 """
 
 from __future__ import annotations
@@ -141,8 +148,12 @@ def build_samples(
     current_version: int | None = None,
     max_staleness: int = DEFAULT_MAX_STALENESS,
     stale: StaleTokens = StaleTokens.MASK,
+    keep_undelivered: bool = False,
 ) -> list[Sample]:
     trajectories: list[dict[str, Any]] = export.get("trajectories", [])
+    origin = list(range(len(trajectories)))  # each one's index in the export
+    if not keep_undelivered:
+        origin, trajectories = _received(trajectories)
     if not trajectories:
         return []
     chosen = list(enumerate(trajectories))
@@ -200,7 +211,7 @@ def build_samples(
                 response_logprobs=logprobs,
                 reward=reward,
                 num_turns=len(traj["turns"]),
-                branch=branch,
+                branch=origin[branch],
                 prompt_truncated=prompt_truncated,
                 response_truncated=response_truncated,
                 turns=list(traj["turns"]),
@@ -237,3 +248,48 @@ def _owners(trajectories: list[dict[str, Any]]) -> dict[int, int]:
             if held is None or sampled[branch] > sampled[held]:
                 owners[turn["turn"]] = branch
     return owners
+
+
+def _received(trajectories: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """The trajectories cut to what the agent received: each ends before its first turn
+    that was not delivered or was superseded by a retry (unless a later turn continues
+    it); one left empty, or equal to the start of another, is dropped. Returns each kept
+    one's index in the export with it. Exports without the fields count as delivered."""
+    turns = [turn for traj in trajectories for turn in traj["turns"]]
+    continued = {t["parent"] for t in turns if t.get("parent") is not None}
+    superseded = {t["retry_of"] for t in turns if t.get("retry_of") is not None}
+
+    def received(turn: dict[str, Any]) -> bool:
+        index = turn["turn"]
+        return index in continued or (bool(turn.get("delivered", True)) and index not in superseded)
+
+    cut: list[tuple[int, dict[str, Any]]] = []
+    for index, traj in enumerate(trajectories):
+        path = traj["turns"]
+        n = 0
+        while n < len(path) and received(path[n]):
+            n += 1
+        if n == len(path):
+            cut.append((index, traj))
+        elif n > 0:
+            end = path[n - 1]["response_end"]
+            length = len(traj["response_ids"])
+            kept = {
+                key: value[:end]
+                if key.startswith("response_") and isinstance(value, list) and len(value) == length
+                else value
+                for key, value in traj.items()
+            }
+            kept["turns"] = path[:n]
+            cut.append((index, kept))
+    paths = [tuple(t["turn"] for t in traj["turns"]) for _, traj in cut]
+    out: list[tuple[int, dict[str, Any]]] = []
+    for i, item in enumerate(cut):
+        mine = paths[i]
+        inside = any(
+            j != i and other[: len(mine)] == mine and (len(other) > len(mine) or j < i)
+            for j, other in enumerate(paths)
+        )
+        if not inside:
+            out.append(item)
+    return [i for i, _ in out], [traj for _, traj in out]

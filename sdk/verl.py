@@ -27,7 +27,7 @@ settings as keys next to ``name`` and ``_target_``; keys missing there are read 
 Settings: ``proxy_url`` (required), ``admin_token``, ``task_server`` (``{"factory":
 "module:callable", ...keyword arguments}``; the callable returns a ``TaskServer``),
 ``agent``, ``model``, ``timeout_seconds``, ``max_attempts``, ``branch_policy``,
-``reward_key``, ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
+``reward_key``, ``keep_undelivered`` (also train replies the agent never received), ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
 the task directory, default ``task_path``), ``max_tokens_per_call``, ``serve_rollout`` with ``worker_url`` / ``worker_token`` /
 ``served_model`` (the job's own rollout replicas serve the proxy through a worker with the
 ``verl`` backend, started once per process; the policy version of each turn is then verl's
@@ -97,6 +97,7 @@ class RemoteAgentSettings:
     worker_url: str | None = None
     worker_token: str = ""
     served_model: str | None = None
+    keep_undelivered: bool = False
 
     @classmethod
     def from_sources(cls, kwargs: Mapping[str, Any], section: Any) -> RemoteAgentSettings:
@@ -316,6 +317,7 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
                     sampling_params, response_length, settings.max_tokens_per_call
                 ),
                 agent_settings=dict(settings.agent_settings),
+                keep_undelivered=settings.keep_undelivered,
             ),
         )
         metadata = {"index": _plain(kwargs.get("index")), "data_source": kwargs.get("data_source")}

@@ -1,7 +1,7 @@
 """The trajectory viewer: a web page at ``/ui/`` for reading sessions as a trainer would.
 
 It lists sessions and shows one as its tree of turns (branch reason, finish reason,
-worker, policy version, timings) and any trajectory as tokens: context and sampled tokens
+delivery and retries, worker, policy version, timings) and any trajectory as tokens: context and sampled tokens
 told apart, each sampled token's logprob on hover and in its colour. The page polls, so a
 running session is seen live. Its assets ship in the package (``proxy/api/ui_assets``):
 no CDN.
@@ -141,6 +141,9 @@ def _turn(node: TurnNode) -> dict[str, Any]:
         "finish_reason": meta.finish_reason,
         "capped": meta.capped,
         "truncated": meta.truncated,
+        "delivered": meta.delivered,
+        "retry_of": meta.retry_of,
+        "replays": meta.replays,
         "api": meta.api,
         "model": meta.model,
         "worker_id": meta.worker_id,

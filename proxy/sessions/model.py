@@ -82,6 +82,16 @@ class TurnMeta(msgspec.Struct, gc=False):
     # over the turn's completion, in order (one span unless a weight update preempted the
     # reply and it went on with the new weights).
     versions: list[list[int]] = []
+    # Whether the reply's last byte was handed to the client, or a later turn continued it
+    # (the agent had it). The proxy records a turn with False and sets it after the commit,
+    # so a crash in between leaves False; True by default for turns made elsewhere.
+    delivered: bool = True
+    retry_of: int | None = None  # the earlier turn whose attempt this one repeats
+    replays: int = 0  # retries answered with this recorded reply
+    # Retries are recognised by these (never exported): the hash of the request's raw
+    # body, and the client's own request id (x-client-request-id / Idempotency-Key).
+    request_hash: str = ""
+    client_request_id: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -103,6 +113,9 @@ class TurnMeta(msgspec.Struct, gc=False):
             "reasoning_returned": self.reasoning_returned,
             "capped": self.capped,
             "extra": self.extra,
+            "delivered": self.delivered,
+            "retry_of": self.retry_of,
+            "replays": self.replays,
         }
 
 
@@ -167,6 +180,8 @@ class Session:
     reward: float | dict[str, float] | None = None
     nodes: list[TurnNode] = field(default_factory=list)
     by_key: dict[bytes, int] = field(default_factory=dict)
+    # The latest turn recorded for each request body hash (retries are found by it).
+    by_request: dict[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<Session {self.trial_id} {self.state.value} turns={len(self.nodes)}>"
@@ -229,6 +244,8 @@ class Session:
             self.nodes[node.parent].children += 1
         self.nodes.append(node)
         self.by_key[node.key] = node.index
+        if node.meta.request_hash:
+            self.by_request[node.meta.request_hash] = node.index
         self.updated_at = time.time()
 
     # ------------------------------------------------------------------ export
@@ -300,6 +317,7 @@ class Session:
             "reward": self.reward,
             "turns": len(self.nodes),
             "branches": sum(1 for _ in self.leaves()),
+            "undelivered_turns": sum(1 for n in self.nodes if not n.meta.delivered),
             "tokens": {"sampled": sampled, "context": context, "stored": sampled + context},
             "created_at": self.created_at,
             "updated_at": self.updated_at,

@@ -11,7 +11,9 @@ token), a turn's metadata as JSON. A turn row holds only what the turn added (it
 and completion tokens); prefixes shared by branches are stored once, as in memory.
 
 Durability: WAL with ``synchronous=FULL`` survives a crash of the process and of the
-machine (SQLite docs, "Write-Ahead Logging" and "PRAGMA synchronous").
+machine (SQLite docs, "Write-Ahead Logging" and "PRAGMA synchronous"). A turn's delivery, written
+after the turn, is the exception: it commits without an fsync when nothing else is
+queued (it survives the process, and the machine from the next commit on).
 """
 
 from __future__ import annotations
@@ -182,6 +184,10 @@ def _session_from(row: sqlite3.Row) -> Session:
 
 
 def _turn_from(row: sqlite3.Row) -> TurnNode:
+    meta = json.loads(row["meta"])
+    if "delivered" not in meta:
+        # A row from before delivery was recorded: its reply went out unless it was cut.
+        meta["delivered"] = not meta.get("truncated", False)
     return TurnNode(
         index=row["idx"],
         parent=row["parent"],
@@ -190,7 +196,7 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         logprobs=decode_array("f", row["logprobs"]),
         prompt_len=row["prompt_len"],
         key=bytes(row["key"]),
-        meta=TurnMeta(**json.loads(row["meta"])),
+        meta=TurnMeta(**meta),
     )
 
 
@@ -223,6 +229,28 @@ def _put_turn(session_row: tuple[Any, ...], turn_row: tuple[Any, ...]) -> _Op:
         db.execute("INSERT INTO turns VALUES (?,?,?,?,?,?,?,?,?)", turn_row)
 
     return op
+
+
+class _Light:
+    """A write that must survive the process (``kill -9``) but not a power loss: a batch of
+    only such writes commits without an fsync (WAL with ``synchronous=NORMAL``), so it does
+    not make the turns queued behind it wait for the disk. The next full commit makes it
+    durable on disk too."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: _Op) -> None:
+        self.op = op
+
+    def __call__(self, db: sqlite3.Connection) -> Any:
+        return self.op(db)
+
+
+def _put_meta(trial_id: str, index: int, meta: str) -> _Op:
+    def op(db: sqlite3.Connection) -> None:
+        db.execute("UPDATE turns SET meta=? WHERE trial_id=? AND idx=?", (meta, trial_id, index))
+
+    return _Light(op)
 
 
 def _forget(trial_id: str, deleted_at: float, tombstones: int) -> _Op:
@@ -384,7 +412,12 @@ class SessionStore:
                     stop = True
                     break
                 batch.append(more)
+            light = self._db is not None and all(isinstance(op, _Light) for op, _, _ in batch)
+            if light:
+                self._synchronous("NORMAL")
             self._execute(batch)
+            if light:
+                self._synchronous("FULL")
             if stop:
                 break
         if self._db is not None:
@@ -392,6 +425,11 @@ class SessionStore:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
             self._db = None
+
+    def _synchronous(self, level: str) -> None:
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute(f"PRAGMA synchronous={level}")
 
     def _execute(
         self, batch: list[tuple[_Op, asyncio.AbstractEventLoop, asyncio.Future[Any]]]
@@ -463,6 +501,11 @@ class SessionStore:
     def save_turn(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
         """Add one recorded turn (and the session row's new ``updated_at``)."""
         return self._submit(_put_turn(_session_row(session), _turn_row(session.trial_id, node)))
+
+    def save_turn_meta(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
+        """Rewrite a recorded turn's metadata (its delivery, after the turn was committed).
+        It survives the process at once, a power loss from the next full commit on."""
+        return self._submit(_put_meta(session.trial_id, node.index, _json(node.meta)))
 
     def delete_session(
         self, trial_id: str, deleted_at: float | None = None

@@ -14,6 +14,7 @@ forcing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,7 +30,9 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
+from sdk.samples import build_samples
 from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.e2e.link import Link
 from tests.families import FAMILIES, family_model
 from tests.scripted_policy import ScriptedEngine, Turn
 from worker_client.backends.hf import HFEngine
@@ -308,3 +311,36 @@ async def test_a_reply_cut_by_the_trainers_cap(
     else:
         failed = code != 0 or (agent == "claude" and json.loads(output).get("is_error"))
         assert failed, output
+
+
+async def test_codex_resends_a_lost_stream_and_gets_the_recorded_reply(
+    clis: Path,
+    agent_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
+    tmp_path: Path,
+) -> None:
+    """Codex's first stream is lost on the wire after the proxy wrote all of it: Codex
+    sends the whole request again (its ``x-client-request-id`` unchanged) and gets the
+    recorded reply, nothing is sampled twice, and the episode trains each turn once."""
+    running, engines = agent_stack
+    engine = engines["qwen3"]
+    engine.prompts.clear()
+    engine.policy = policy("qwen3", AGENTS["codex"])
+    link = Link(int(running.url.rsplit(":", 1)[1]))
+    await link.start()
+    link.plans = ["after"]
+    try:
+        async with ProxyClient(running.url) as proxy:
+            trial = await proxy.create_session(model="qwen3")
+            through = dataclasses.replace(trial, base_url=link.url(trial.base_url))
+            _, output = await run_agent(clis, "codex", through, "qwen3", tmp_path)
+            export = await proxy.trajectories(trial.trial_id)
+    finally:
+        await link.stop()
+    assert ANSWER in output
+    (trajectory,) = export["trajectories"]
+    turns = trajectory["turns"]
+    assert [t["replays"] for t in turns] == [1, 0, 0]
+    assert all(t["delivered"] for t in turns)
+    assert len(engine.prompts) == 3  # three generations for four requests
+    (sample,) = build_samples(export)
+    assert sample.sampled_tokens == sum(t["completion_tokens"] for t in turns)

@@ -4,9 +4,12 @@ directory, and the agent carries on as if nothing happened."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from sdk.samples import build_samples
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.e2e.test_processes import _free_port, _status, _wait_until
 
@@ -198,3 +202,76 @@ def test_kill_9_restart_and_the_agent_continues(proxy: Proxy) -> None:
     status, body = _request("GET", f"{proxy.url}/sessions/{tid}/trajectories")
     assert status == 200
     assert json.loads(body) == export
+
+
+def _logprobs(choice: Any) -> tuple[float, ...]:
+    return tuple(t.logprob for t in choice.logprobs.content) if choice.logprobs else ()
+
+
+def _trained(export: dict[str, Any]) -> list[tuple[float, ...]]:
+    """The logprobs of every stretch of sampled tokens ``build_samples`` trains."""
+    out = []
+    for sample in build_samples(export):
+        for turn in sample.turns:
+            start, end = turn["response_start"], turn["response_end"]
+            if end > start and all(sample.response_mask[start:end]):
+                out.append(tuple(sample.response_logprobs[start:end]))
+    return out
+
+
+def test_kill_9_under_load_trains_only_what_the_agents_received(proxy: Proxy) -> None:
+    """Agents keep calling while the proxy is killed with ``kill -9`` and restarted, twice;
+    their clients' own retries carry them over (a reply recorded but never delivered is
+    replayed, a cut one sampled anew). Afterwards every session trains exactly the replies
+    its agent received: zero tokens it did not receive, none of them twice."""
+    proxy.start()
+    agents = 3
+    trials = [_json("POST", f"{proxy.url}/sessions", {}) for _ in range(agents)]
+    received: list[list[tuple[float, ...]]] = [[] for _ in range(agents)]
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def agent(n: int) -> None:
+        trial = trials[n]
+        # The client retries on its own through the restarts (backoff up to 8 s a try).
+        client = OpenAI(base_url=trial["base_url"], api_key=trial["api_key"], max_retries=8)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {n}"}]
+        try:
+            while not stop.is_set():
+                reply = client.chat.completions.create(
+                    model="any",
+                    messages=messages,  # type: ignore[arg-type]
+                    logprobs=True,
+                )
+                choice = reply.choices[0]
+                received[n].append(_logprobs(choice))
+                turn = len(received[n])
+                messages += [_assistant(choice.message), {"role": "user", "content": f"go {turn}"}]
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(n,)) for n in range(agents)]
+    for thread in threads:
+        thread.start()
+
+    def progress() -> None:
+        """Until every agent has had one more reply (or one failed)."""
+        seen = [len(r) for r in received]
+        _wait_until(
+            lambda: failures or all(len(r) > k for r, k in zip(received, seen, strict=True)), 60
+        )
+
+    for _ in range(2):
+        progress()  # every agent is calling again: kill at a random moment of their calls
+        time.sleep(random.uniform(0.0, 0.3))
+        proxy.kill9()
+        proxy.start()
+    progress()
+    stop.set()
+    for thread in threads:
+        thread.join(240 * TIMEOUT_FACTOR)
+    assert not failures, failures
+    for n, trial in enumerate(trials):
+        export = _json("GET", f"{proxy.url}/sessions/{trial['trial_id']}/trajectories")
+        assert len(received[n]) >= 4
+        assert sorted(_trained(export)) == sorted(received[n])

@@ -220,3 +220,73 @@ def test_an_export_without_token_versions_uses_each_turns_policy_version() -> No
         {"trial_id": "t", "reward": 1.0, "trajectories": [traj]}, current_version=4
     )
     assert stale.response_mask == [1, 1, 0, 0, 0]
+
+
+def _turns(traj: dict[str, Any], **fields: dict[int, Any]) -> dict[str, Any]:
+    for turn in traj["turns"]:
+        turn["parent"] = None
+        for name, values in fields.items():
+            if turn["turn"] in values:
+                turn[name] = values[turn["turn"]]
+    return traj
+
+
+def _retried_export() -> dict[str, Any]:
+    """Turn 0 delivered; turn 1 (after it) cut and retried by turn 2; a root turn 3 never
+    delivered and never retried; turn 4 a continuation of undelivered turn 5's reply."""
+    trajectories = [
+        _traj([1], [10, 11, 12, 13], [1, 0, 1, 1], [(0, 0, 1), (1, 2, 4)]),
+        _traj([1], [10, 11, 14, 15], [1, 0, 1, 1], [(0, 0, 1), (2, 2, 4)]),
+        _traj([5], [50, 51], [1, 1], [(3, 0, 2)]),
+        _traj([6], [60, 0, 61], [1, 0, 1], [(5, 0, 1), (4, 2, 3)]),
+    ]
+    for traj in trajectories:
+        traj["response_versions"] = [7] * len(traj["response_ids"])
+        _turns(
+            traj,
+            delivered={0: True, 1: False, 2: True, 3: False, 4: True, 5: False},
+            retry_of={2: 1},
+        )
+    trajectories[0]["turns"][1]["parent"] = 0
+    trajectories[1]["turns"][1]["parent"] = 0
+    trajectories[3]["turns"][1]["parent"] = 5
+    return {"trial_id": "t", "reward": 1.0, "trajectories": trajectories}
+
+
+def test_only_what_the_agent_received_is_trained() -> None:
+    """A trajectory ends before a turn that was not delivered or was retried (its part
+    before it is dropped when another trajectory holds it, so nothing is trained twice);
+    a turn a later turn continues was received whatever its flag says."""
+    samples = build_samples(_retried_export())
+    assert [s.branch for s in samples] == [1, 3]
+    assert [t["turn"] for t in samples[0].turns] == [0, 2]
+    assert samples[0].response_ids == [10, 11, 14, 15]
+    assert [t["turn"] for t in samples[1].turns] == [5, 4]
+    trained = Counter(
+        t for s in samples for t, m in zip(s.response_ids, s.response_mask, strict=True) if m
+    )
+    assert trained == Counter({10: 1, 14: 1, 15: 1, 60: 1, 61: 1})
+
+
+def test_a_trajectory_cut_before_an_undelivered_leaf_keeps_its_received_part() -> None:
+    """A leaf never delivered and never retried: the trajectory is trained up to it, every
+    per-token list cut at the same place."""
+    export = _retried_export()
+    export["trajectories"] = export["trajectories"][:1]
+    (sample,) = build_samples(export)
+    assert [t["turn"] for t in sample.turns] == [0]
+    assert sample.response_ids == [10]
+    assert sample.response_mask == [1]
+    assert sample.response_logprobs == [-0.1]
+
+
+def test_keep_undelivered_trains_the_export_as_it_is() -> None:
+    """The option keeps every trajectory whole, as before delivery was recorded; an export
+    without delivery fields counts as delivered."""
+    assert [s.branch for s in build_samples(_retried_export(), keep_undelivered=True)] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert [s.branch for s in build_samples(EXPORT)] == [0, 1, 2]

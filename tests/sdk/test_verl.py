@@ -212,3 +212,7 @@ def test_settings_are_checked(tmp_path: Path) -> None:
         {"proxy_url": "http://p", "task_server": {"factory": "m:f"}}, section
     )
     assert (settings.agent, settings.max_attempts) == ("from-section", 5)
+    # Replies the agent never received are trained only when asked for.
+    assert settings.keep_undelivered is False
+    kept = sdk.verl.RemoteAgentSettings.from_sources({**base, "keep_undelivered": True}, None)
+    assert kept.keep_undelivered is True

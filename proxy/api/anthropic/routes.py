@@ -21,6 +21,7 @@ from aiohttp import web
 from proxy.api.anthropic.errors import anthropic_error, error_body
 from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest, SignatureCheck
 from proxy.api.anthropic.thinking import sign_thinking, thinking_signed
+from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import json_response, parse_json, register_error_format
 from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
@@ -114,7 +115,8 @@ def _session(request: web.Request) -> Session:
 async def create_message(request: web.Request) -> web.StreamResponse:
     session = _session(request)
     session.require_active()
-    parsed = parse_json(MessagesRequest, await request.read())
+    body = await request.read()
+    parsed = parse_json(MessagesRequest, body)
     turn = TurnRequest(
         api="anthropic.messages",
         requested_model=parsed.model,
@@ -123,14 +125,24 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         sampling=parsed.sampling(),
         stop=parsed.stop_strings(),
         tool_choice=parsed.tool_choice_name(),
+        marks=retry_marks(request, "anthropic.messages", body),
     )
     service = request.app[SERVICE]
     if not parsed.stream:
-        return json_response(message_body(await service.run_turn(session, turn), session))
+        result = await service.run_turn(session, turn)
+        response = json_response(message_body(result, session))
+        return await send_whole(request, response, service, session, [result])
     # Started before the stream opens: every client error is still a proper HTTP error.
     prepared = await service.start(session, turn)
     async with service.streaming(prepared) as events:
-        return await stream_message(request, prepared, events)
+        done: list[TurnResult] = []
+        delivered = False
+        try:
+            streamed = await stream_message(request, prepared, events, done)
+            delivered = bool(done)
+            return streamed
+        finally:
+            settle(service, session, done, delivered)
 
 
 class _BlockWriter(StreamSink[TurnEvent]):
@@ -246,9 +258,12 @@ class _BlockWriter(StreamSink[TurnEvent]):
 
 
 async def stream_message(
-    request: web.Request, prepared: PreparedTurn, events: AsyncGenerator[TurnEvent, None]
+    request: web.Request,
+    prepared: PreparedTurn,
+    events: AsyncGenerator[TurnEvent, None],
+    done: list[TurnResult],
 ) -> web.StreamResponse:
-    """Anthropic stream events, one delta per engine delta."""
+    """Anthropic stream events, one delta per engine delta; ``done`` receives the result."""
     input_tokens = len(prepared.plan.prompt_ids)
     try:
         stream = await EventStream.open(request)
@@ -289,6 +304,7 @@ async def stream_message(
                 }
             )
             writer.send({"type": "message_stop"})
+            done.append(result)
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
         stream.emit(error_body(exc), event="error")

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.api.delivery import send_whole, settle
 from proxy.api.errors import error_body, json_response, parse_json
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import CompletionRequest
@@ -124,7 +125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not parsed.stream:
         results = await asyncio.gather(*(service.run_turn(session, t) for t in turns))
         tokenizer = service.models.models[results[0].model].renderer.tokenizer
-        return json_response(
+        response = json_response(
             {
                 "id": new_id("cmpl", "-"),
                 "object": "text_completion",
@@ -137,10 +138,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "usage": usage(results),
             }
         )
+        return await send_whole(request, response, service, session, results)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     async with streamed_choices(service, session, turns) as (prepared, events):
         tokenizer = prepared[0].served.renderer.tokenizer
-        return await _stream(request, prepared, events, parsed, tokenizer, prompt, include_usage)
+        done: list[TurnResult] = []
+        delivered = False
+        try:
+            streamed = await _stream(
+                request, prepared, events, parsed, tokenizer, prompt, include_usage, done
+            )
+            delivered = len(done) == len(prepared)
+            return streamed
+        finally:
+            settle(service, session, done, delivered)
 
 
 def _choice(
@@ -194,6 +205,7 @@ async def _stream(
     tokenizer: Any,
     prompt_ids: Sequence[int],
     include_usage: bool,
+    done: list[TurnResult],
 ) -> web.StreamResponse:
     """``text_completion`` chunks, one per engine delta and choice, then ``data: [DONE]``.
 
@@ -203,7 +215,6 @@ async def _stream(
     chunks = _TextChunks(stream, prepared[0].served.name)
     if len(prepared) == 1:
         prepared[0].sink = chunks  # from the first flush on
-    done: list[TurnResult] = []
     try:
         async for index, event in events:
             if isinstance(event, TurnDone):

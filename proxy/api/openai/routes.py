@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import error_body, json_response, parse_json
 from proxy.api.openai import completions
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
@@ -91,7 +92,8 @@ def chat_completion_body(
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
-    parsed = parse_json(ChatCompletionRequest, await request.read())
+    body = await request.read()
+    parsed = parse_json(ChatCompletionRequest, body)
     turn = TurnRequest(
         api="openai.chat",
         requested_model=parsed.model,
@@ -106,6 +108,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ),
         stop=parsed.stop_strings(),
         tool_choice=parsed.tool_choice_name(),
+        # Several choices are several turns: such a request is never taken for a retry.
+        marks=retry_marks(request, "openai.chat", body) if parsed.n == 1 else None,
     )
     service = request.app[SERVICE]
     # n > 1: each choice is its own turn (a sibling branch of the session's tree), with
@@ -119,12 +123,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tokenizer = (
             service.models.models[results[0].model].renderer.tokenizer if parsed.logprobs else None
         )
-        return json_response(chat_completion_body(results, int(time.time()), tokenizer))
+        response = json_response(chat_completion_body(results, int(time.time()), tokenizer))
+        return await send_whole(request, response, service, session, results)
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     async with streamed_choices(service, session, turns) as (prepared, events):
-        return await stream_chat_completion(
-            request, prepared, events, include_usage, model=prepared[0].served.name
-        )
+        done: list[TurnResult] = []
+        delivered = False
+        try:
+            streamed = await stream_chat_completion(
+                request, prepared, events, include_usage, model=prepared[0].served.name, done=done
+            )
+            delivered = len(done) == len(prepared)
+            return streamed
+        finally:
+            settle(service, session, done, delivered)
 
 
 class _ChatChunks(StreamSink[TurnEvent]):
@@ -186,12 +198,14 @@ async def stream_chat_completion(
     include_usage: bool,
     *,
     model: str = "",
+    done: list[TurnResult] | None = None,
 ) -> web.StreamResponse:
     """OpenAI chat-completion chunks, one per engine delta (each tagged with its choice's
-    index), then ``data: [DONE]``."""
+    index), then ``data: [DONE]``. ``done`` receives each choice's result as it ends."""
     stream = await EventStream.open(request)
     chunks = _ChatChunks(stream, model)
-    done: list[TurnResult] = []
+    if done is None:
+        done = []
     for index in range(len(prepared)):
         chunks.chunk(index, {"role": "assistant", "content": ""})
     await stream.flush()

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
+from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import json_response, parse_json
 from proxy.api.responses.models import ResponsesRequest
 from proxy.api.responses.output import (
@@ -33,6 +34,7 @@ from proxy.service import (
     TurnDone,
     TurnEvent,
     TurnRequest,
+    TurnResult,
 )
 
 
@@ -50,7 +52,8 @@ def _echo(parsed: ResponsesRequest) -> ResponseEcho:
 async def create_response(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
-    parsed = parse_json(ResponsesRequest, await request.read())
+    body = await request.read()
+    parsed = parse_json(ResponsesRequest, body)
     parsed.check_supported()
     turn = TurnRequest(
         api="openai.responses",
@@ -63,6 +66,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             top_p=parsed.top_p,
         ),
         tool_choice=parsed.tool_choice_name(),
+        marks=retry_marks(request, "openai.responses", body),
     )
     echo = _echo(parsed)
     created_at = int(time.time())
@@ -78,7 +82,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             float(sampling["top_p"]),
             echo,
         )
-        return json_response(response_body(head, result))
+        response = json_response(response_body(head, result))
+        return await send_whole(request, response, service, session, [result])
     # Started before the stream opens: every client error is still a proper HTTP error.
     prepared = await service.start(session, turn)
     head = ResponseHead(
@@ -90,7 +95,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         echo,
     )
     async with service.streaming(prepared) as events:
-        return await stream_response(request, prepared, ResponseStream(head), events)
+        done: list[TurnResult] = []
+        delivered = False
+        try:
+            streamed = await stream_response(request, prepared, ResponseStream(head), events, done)
+            delivered = bool(done)
+            return streamed
+        finally:
+            settle(service, session, done, delivered)
 
 
 class _ResponseEvents(StreamSink[TurnEvent]):
@@ -120,7 +132,9 @@ async def stream_response(
     prepared: PreparedTurn,
     writer: ResponseStream,
     events: AsyncGenerator[TurnEvent, None],
+    done: list[TurnResult],
 ) -> web.StreamResponse:
+    """Responses events; ``done`` receives the result once its final events are queued."""
     stream = await EventStream.open(request)
     out = _ResponseEvents(stream, writer)
     try:
@@ -131,6 +145,8 @@ async def stream_response(
             out.queue(event)
             if not isinstance(event, TurnDone):
                 await stream.flush()  # the end leaves with the stream's
+            else:
+                done.append(event.result)
     except ProxyError as exc:
         # The stream has started: the error travels as an event, then the stream ends.
         out.send(writer.fail(exc))

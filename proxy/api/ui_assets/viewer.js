@@ -61,6 +61,12 @@ function turnBox(turn) {
   ];
   if (turn.capped) badges.push(el("span", { class: "badge cut", text: "capped" }));
   if (turn.truncated) badges.push(el("span", { class: "badge cut", text: "client left" }));
+  // A reply the agent never received is not trained (unless kept on purpose).
+  if (turn.delivered === false) badges.push(el("span", { class: "badge cut", text: "not delivered" }));
+  if (turn.retry_of !== null && turn.retry_of !== undefined) {
+    badges.push(el("span", { class: "badge branch", text: `retry of #${turn.retry_of}` }));
+  }
+  if (turn.replays) badges.push(el("span", { class: "badge branch", text: `replayed ×${turn.replays}` }));
   const facts = [
     `${turn.completion_tokens} sampled / ${turn.prompt_tokens} prompt`,
     `worker ${turn.worker_id || "?"}`,

@@ -8,6 +8,7 @@ import sqlite3
 from array import array
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from proxy.exceptions import StorageError
@@ -305,3 +306,40 @@ async def test_version_spans_round_trip(tmp_path: Path) -> None:
     assert loaded.export() == s.export()
     versions = [t["response_versions"] for t in loaded.export()["trajectories"]]
     assert versions[0][:3] == [1, 2, 2]
+
+
+async def test_delivery_is_saved_after_the_turn_and_old_rows_count_as_delivered(
+    tmp_path: Path,
+) -> None:
+    """A turn's metadata is rewritten in place (its delivery, recorded after the commit),
+    and a row written before delivery was recorded reads as delivered unless it was cut."""
+    store = await SessionStore.open(tmp_path)
+    session = _tree()
+    session.nodes[2].meta.truncated = True
+    for node in session.nodes:
+        node.meta.delivered = False  # as the proxy records a turn, before its reply's end
+    await store.save_session(session)
+    for node in session.nodes:
+        await store.save_turn(session, node)
+    session.nodes[0].meta.delivered = True
+    session.nodes[0].meta.replays = 2
+    await store.save_turn_meta(session, session.nodes[0])
+    # Rows from before: their metadata has no "delivered" at all.
+    for index in (1, 2):  # turn 2 was cut (truncated), turn 1 not
+        meta = msgspec.json.decode(msgspec.json.encode(session.nodes[index].meta))
+        del meta["delivered"]
+        await store._submit(
+            lambda db, m=meta, i=index: db.execute(
+                "UPDATE turns SET meta=? WHERE trial_id=? AND idx=?",
+                (json.dumps(m), "trial-1", i),
+            )
+        )
+    await store.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    assert loaded.nodes[0].meta.delivered is True
+    assert loaded.nodes[0].meta.replays == 2
+    assert loaded.nodes[1].meta.delivered is True
+    assert loaded.nodes[2].meta.truncated is True
+    assert loaded.nodes[2].meta.delivered is False
+    assert loaded.nodes[3].meta.delivered is False  # recorded, never delivered
