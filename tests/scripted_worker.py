@@ -69,8 +69,11 @@ class PacedScriptedEngine(ScriptedEngine):
         self._aborted: set[str] = set()
 
     def reset(self, delay: float = STEP_SECONDS) -> None:
-        """No reply queued, no policy, the default pace (between tests on a shared stack)."""
+        """No reply queued or recorded, no policy, the default pace (between tests on a
+        shared stack)."""
         self.replies.clear()
+        self.prompts.clear()
+        self.sampled.clear()
         self.policy = None
         self.delay = delay
 

@@ -460,20 +460,26 @@ async def test_stop_sequence_and_max_tokens_stop_reasons(proxy_client: ProxyClie
     )
 
 
-async def test_tool_choice_none_never_returns_tool_use(proxy_client: ProxyClient) -> None:
-    """With tool_choice none the tools stay rendered but nothing becomes a tool_use."""
-    trial = await proxy_client.create_session()
+async def test_tool_choice_none_never_returns_tool_use(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
+    """With tool_choice none the tools stay rendered but nothing becomes a tool_use: a reply
+    in tool-call markup comes back as text."""
+    scripted.script(tiny_reply("", [("bash", {"command": "ls"})]))
+    trial = await scripted_client.create_session()
     async with _client(trial) as client:
-        for seed in range(4):
-            reply = await client.messages.create(
-                model="m",
-                max_tokens=40,
-                messages=[{"role": "user", "content": f"list the files {seed}"}],
-                tools=ANTHROPIC_TOOLS,
-                tool_choice={"type": "none"},
-            )
-            assert all(b.type == "text" for b in reply.content)
-            assert reply.stop_reason in {"end_turn", "max_tokens"}
+        reply = await client.messages.create(
+            model="m",
+            max_tokens=40,
+            messages=[{"role": "user", "content": "list the files"}],
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "none"},
+        )
+    assert all(b.type == "text" for b in reply.content)
+    assert reply.stop_reason in {"end_turn", "max_tokens"}
+    assert '<tool_call>\n{"name": "bash"' in _text(reply)
+    (prompt,) = scripted.prompts
+    assert '"name": "bash"' in scripted.tokenizer.decode(prompt)  # type: ignore[attr-defined]
 
 
 async def test_unknown_trial_is_404_in_anthropic_shape(stack: RunningProxy) -> None:
