@@ -35,7 +35,9 @@ test-vllm:
 	./scripts/vllm-types-env.sh
 	.cache/vllm-venv/bin/pytest -q -p no:cacheprovider --noconftest tests/worker_client/backends/test_vllm.py
 
-demo: setup
+# Installs only what the demo runs (`make test` adds the rest to the same .venv).
+demo:
+	./scripts/setup.sh demo
 	$(BIN)/rollout-relay demo
 
 # TRL's GRPOTrainer trains the tiny model through the proxy and real agents, the weights

@@ -21,6 +21,7 @@ from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
 
+# Where the tiny model is written when the installation does not ship it.
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "rollout-relay" / "tiny-model"
 
 
@@ -393,14 +394,19 @@ def _task_server(args: argparse.Namespace) -> int:
 
 
 def ensure_tiny_model(path: Path | None, say: Callable[[str], None] = print) -> Path:
-    """The model to serve: ``path``, or the tiny model, written once (about two minutes
-    on two cores: a BPE tokenizer, then a few hundred training steps, with progress)."""
+    """The model to serve: ``path``, or the tiny model the project ships; where the
+    installation lacks it, one written once under ~/.cache (a few minutes on two cores:
+    a BPE tokenizer, then a few hundred training steps, with progress)."""
+    from worker_client.tiny_model import SHIPPED_TINY_MODEL
+
     if path is not None:
         return path
-    if not (DEFAULT_TINY_MODEL / "config.json").is_file():
+    if (SHIPPED_TINY_MODEL / "model.safetensors").is_file():
+        return SHIPPED_TINY_MODEL
+    if not (DEFAULT_TINY_MODEL / "model.safetensors").is_file():
         from worker_client.tiny_model import write_tiny_model
 
-        say(f"writing the tiny model to {DEFAULT_TINY_MODEL} (first run only, ~2 min on CPU)")
+        say(f"writing the tiny model to {DEFAULT_TINY_MODEL} (first run only, minutes on CPU)")
 
         def progress(done: int, total: int) -> None:
             say(f"  training its weights on synthetic chats: {100 * done // total}%")

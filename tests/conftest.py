@@ -11,14 +11,21 @@ import pytest
 import worker_client.tiny_model as tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_SEED = 0
+# The seed of a generated tiny model (RELAY_TEST_TINY_MODEL=generate): another seed gives
+# other weights, as training on another processor does (and another tokenizer as well).
+TINY_MODEL_SEED = int(os.environ.get("RELAY_TEST_TINY_MODEL_SEED", "0"))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The tiny model, written once and cached under .cache/ by a hash of its generator
+    """The tiny model the project ships, the same weights on every machine.
+
+    With ``RELAY_TEST_TINY_MODEL=generate`` the suite runs on one generated here instead,
+    written once and cached under ``$RELAY_TEST_CACHE`` by a hash of its generator
     (write_tiny_model replaces the directory atomically, so an aborted run never leaves a
-    half-written model behind)."""
+    half-written model behind): no test may depend on which weights it gets."""
+    if os.environ.get("RELAY_TEST_TINY_MODEL", "shipped") != "generate":
+        return tiny_model.SHIPPED_TINY_MODEL
     source = Path(tiny_model.__file__).read_bytes()
     digest = hashlib.sha256(source + str(TINY_MODEL_SEED).encode()).hexdigest()[:16]
     root = Path(os.environ.get("RELAY_TEST_CACHE", REPO / ".cache"))

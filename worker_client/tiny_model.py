@@ -21,6 +21,12 @@ template, so that the model often answers a request that comes with tools by cal
 of them in well-formed hermes markup, and ends its turns with ``<|im_end|>``. It stays a
 stochastic model: at temperature 1 it also writes plain text and, now and then, malformed
 calls, which is what the tests need.
+
+The project ships one such model, written by ``write_tiny_model(SHIPPED_TINY_MODEL)``
+(seed 0): the demo starts on it at once instead of training for minutes, and the tests
+run on the same weights on every machine (training on another processor rounds floats
+differently, so a model generated there differs in its weights, never in its tokenizer,
+template or shapes). ``rollout-relay tiny-model DIR`` writes a new one.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ PLAIN_ADDED_TOKENS = (
 )
 VOCAB_SIZE = 4096
 CONTEXT_WINDOW = 131072
+# The model the project ships (package data; about 1.7 MB).
+SHIPPED_TINY_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-model"
 
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(start=0) -%}"

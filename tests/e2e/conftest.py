@@ -1,13 +1,13 @@
-"""A real proxy with a real ``hf`` worker on the tiny model, on loopback, in the test loop."""
+"""A real proxy with a real ``hf`` worker on the tiny model, on loopback, in the test loop; and
+one whose worker serves a scripted engine, for tests that need a reply of a given shape."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -15,8 +15,7 @@ from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
-
-T = TypeVar("T")
+from tests.scripted_worker import PacedScriptedEngine, serve_scripted
 
 # Scale every wait in the suite on slow machines: RELAY_TEST_TIMEOUT_FACTOR=3 pytest ...
 TIMEOUT_FACTOR = float(os.environ.get("RELAY_TEST_TIMEOUT_FACTOR", "1"))
@@ -64,18 +63,37 @@ async def proxy_client(stack: RunningProxy) -> AsyncIterator[ProxyClient]:
         yield client
 
 
-async def first_seed(
-    attempt: Callable[[int], Awaitable[T | None]], *, seeds: Iterable[int] = range(24)
-) -> T:
-    """The first seed's result for which ``attempt`` returns something (not None).
+@pytest.fixture(scope="session")
+async def scripted_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[RunningProxy, PacedScriptedEngine]]:
+    """A proxy like ``stack``'s whose worker serves a scripted engine on the tiny model,
+    for tests that need a reply of a given shape (``tests.scripted_worker``)."""
+    config = ProxyConfig(
+        port=0,
+        worker_wait_seconds=5 * TIMEOUT_FACTOR,
+        max_body_bytes=1024 * 1024,
+        max_tokens=64,
+        cache_dir=tmp_path_factory.mktemp("scripted-proxy-cache"),
+    )
+    running = await start_proxy(config)
+    engine = serve_scripted(running, tiny_model_dir, worker_id="test-scripted")
+    await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+    yield running, engine
+    await running.stop()
 
-    Tests that need the random tiny model to behave a certain way (call a tool, answer in
-    text, finish early) search for a seed instead of hard-coding one, so that they keep
-    testing the proxy when the model is regenerated."""
-    tried = []
-    for seed in seeds:
-        result = await attempt(seed)
-        if result is not None:
-            return result
-        tried.append(seed)
-    pytest.fail(f"no seed among {tried} made the tiny model do what the test needs")
+
+@pytest.fixture
+def scripted(scripted_stack: tuple[RunningProxy, PacedScriptedEngine]) -> PacedScriptedEngine:
+    """The scripted stack's engine with nothing queued: the test scripts its replies."""
+    engine = scripted_stack[1]
+    engine.reset()
+    return engine
+
+
+@pytest.fixture
+async def scripted_client(
+    scripted_stack: tuple[RunningProxy, PacedScriptedEngine],
+) -> AsyncIterator[ProxyClient]:
+    async with ProxyClient(scripted_stack[0].url) as client:
+        yield client

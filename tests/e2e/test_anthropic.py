@@ -26,7 +26,7 @@ from proxy.service import TextDelta, TurnEvent, TurnResult, TurnService
 from sdk.client import ProxyClient, TrialSession
 from sdk.demo import TOOLS
 from sdk.fidelity import check_fidelity
-from tests.e2e.conftest import first_seed
+from tests.scripted_worker import PacedScriptedEngine, tiny_reply
 from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
@@ -302,52 +302,59 @@ async def test_claude_code_shaped_stream_has_event_lines(
 
 @pytest.mark.parametrize("first_streamed", [False, True], ids=["plain-first", "streamed-first"])
 async def test_tool_loop_continues_one_trajectory(
-    proxy_client: ProxyClient, tiny_model_dir: Path, first_streamed: bool
+    scripted_client: ProxyClient,
+    scripted: PacedScriptedEngine,
+    tiny_model_dir: Path,
+    first_streamed: bool,
 ) -> None:
     """An agent loop that echoes the assistant blocks and answers tool_use with tool_result
     blocks (alternating streamed and plain calls) extends one trajectory without branching,
-    and the export is token-exact under teacher forcing. The tiny model calls tools mostly on
-    an episode's first turn, so each mode gets an episode that starts with it."""
-
-    async def episode(seed: int) -> tuple[TrialSession, dict[bool, int]] | None:
-        """Five turns on a fresh trial; kept when plain and streamed turns both called tools."""
-        trial = await proxy_client.create_session(sampling={"seed": seed, "temperature": 0.7})
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Look at the workspace."}]
-        tool_uses = {False: 0, True: 0}  # by streamed
-        async with _client(trial) as client:
-            for turn in range(5):
-                kwargs: dict[str, Any] = {
-                    "model": "m",
-                    "max_tokens": 48,
-                    "system": "You are a careful assistant with tools.",
-                    "messages": messages,
-                    "tools": ANTHROPIC_TOOLS,
-                }
-                streamed = (turn % 2 == 1) != first_streamed
-                if streamed:
-                    async with client.messages.stream(**kwargs) as stream:
-                        reply = await stream.get_final_message()
-                else:
-                    reply = await client.messages.create(**kwargs)
-                messages.append(_echo(reply))
-                calls = [b for b in reply.content if b.type == "tool_use"]
-                if reply.stop_reason != "max_tokens":
-                    assert (reply.stop_reason == "tool_use") == bool(calls)
-                if calls:
-                    tool_uses[streamed] += len(calls)
-                    # A result's content as text blocks reads the same as the plain string.
-                    results: list[dict[str, Any]] = [
-                        {"type": "tool_result", "tool_use_id": c.id, "content": "ok"} for c in calls
-                    ]
-                    results[0]["content"] = [{"type": "text", "text": "ok"}]
-                    messages.append({"role": "user", "content": results})
-                else:
-                    messages.append({"role": "user", "content": f"Keep going ({turn})."})
-        # Tool_use blocks of the first turn's kind were sent back.
-        return (trial, tool_uses) if tool_uses[first_streamed] else None
-
-    trial, tool_uses = await first_seed(episode)
-    export = await proxy_client.trajectories(trial.trial_id)
+    and the export is token-exact under teacher forcing. The worker is scripted to call
+    tools on the first two turns (one plain, one streamed) and the fourth, and to answer in
+    text on the others."""
+    scripted.script(
+        tiny_reply("", [("bash", {"command": "ls"})]),
+        tiny_reply("Now the readme.", [("read_file", {"path": "README.md"})]),
+        tiny_reply("The project has a readme and a main module."),
+        tiny_reply("", [("bash", {"command": "ls"}), ("bash", {"command": "pwd"})]),
+        tiny_reply("Done."),
+    )
+    trial = await scripted_client.create_session(sampling={"seed": 1, "temperature": 0.7})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Look at the workspace."}]
+    tool_uses = {False: 0, True: 0}  # by streamed
+    async with _client(trial) as client:
+        for turn in range(5):
+            kwargs: dict[str, Any] = {
+                "model": "m",
+                "max_tokens": 48,
+                "system": "You are a careful assistant with tools.",
+                "messages": messages,
+                "tools": ANTHROPIC_TOOLS,
+            }
+            streamed = (turn % 2 == 1) != first_streamed
+            if streamed:
+                async with client.messages.stream(**kwargs) as stream:
+                    reply = await stream.get_final_message()
+            else:
+                reply = await client.messages.create(**kwargs)
+            messages.append(_echo(reply))
+            calls = [b for b in reply.content if b.type == "tool_use"]
+            if reply.stop_reason != "max_tokens":
+                assert (reply.stop_reason == "tool_use") == bool(calls)
+            if calls:
+                tool_uses[streamed] += len(calls)
+                # A result's content as text blocks reads the same as the plain string.
+                results: list[dict[str, Any]] = [
+                    {"type": "tool_result", "tool_use_id": c.id, "content": "ok"} for c in calls
+                ]
+                results[0]["content"] = [{"type": "text", "text": "ok"}]
+                messages.append({"role": "user", "content": results})
+            else:
+                messages.append({"role": "user", "content": f"Keep going ({turn})."})
+    # Tool_use blocks of the first turn's kind, and of the other, were sent back.
+    assert tool_uses[first_streamed]
+    assert tool_uses[not first_streamed]
+    export = await scripted_client.trajectories(trial.trial_id)
     (traj,) = export["trajectories"]
     assert [t["branch_reason"] for t in traj["turns"]] == ["new_session"] + ["continued"] * 4
     assert sum(t["tool_calls"] for t in traj["turns"]) == sum(tool_uses.values())
@@ -453,20 +460,26 @@ async def test_stop_sequence_and_max_tokens_stop_reasons(proxy_client: ProxyClie
     )
 
 
-async def test_tool_choice_none_never_returns_tool_use(proxy_client: ProxyClient) -> None:
-    """With tool_choice none the tools stay rendered but nothing becomes a tool_use."""
-    trial = await proxy_client.create_session()
+async def test_tool_choice_none_never_returns_tool_use(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
+    """With tool_choice none the tools stay rendered but nothing becomes a tool_use: a reply
+    in tool-call markup comes back as text."""
+    scripted.script(tiny_reply("", [("bash", {"command": "ls"})]))
+    trial = await scripted_client.create_session()
     async with _client(trial) as client:
-        for seed in range(4):
-            reply = await client.messages.create(
-                model="m",
-                max_tokens=40,
-                messages=[{"role": "user", "content": f"list the files {seed}"}],
-                tools=ANTHROPIC_TOOLS,
-                tool_choice={"type": "none"},
-            )
-            assert all(b.type == "text" for b in reply.content)
-            assert reply.stop_reason in {"end_turn", "max_tokens"}
+        reply = await client.messages.create(
+            model="m",
+            max_tokens=40,
+            messages=[{"role": "user", "content": "list the files"}],
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "none"},
+        )
+    assert all(b.type == "text" for b in reply.content)
+    assert reply.stop_reason in {"end_turn", "max_tokens"}
+    assert '<tool_call>\n{"name": "bash"' in _text(reply)
+    (prompt,) = scripted.prompts
+    assert '"name": "bash"' in scripted.tokenizer.decode(prompt)  # type: ignore[attr-defined]
 
 
 async def test_unknown_trial_is_404_in_anthropic_shape(stack: RunningProxy) -> None:
@@ -607,31 +620,28 @@ async def test_disconnect_mid_stream_records_a_truncated_turn(
 
 
 async def test_tool_choice_any_and_tool_are_recorded_as_unmet_without_a_call(
-    proxy_client: ProxyClient,
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
 ) -> None:
     """tool_choice any / tool map to required / a tool's name: a reply without the call is
     flagged tool_choice_unmet, unlike with auto."""
     choices: list[Any] = [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "bash"}]
-
-    async def attempt(seed: int) -> TrialSession | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed, "temperature": 1.0})
-        async with _client(trial) as client:
-            replies = [
-                await client.messages.create(
-                    model="m",
-                    max_tokens=48,
-                    system="You are a careful assistant with tools.",
-                    messages=[{"role": "user", "content": "Look at the workspace."}],
-                    tools=ANTHROPIC_TOOLS,
-                    tool_choice=choice,
-                )
-                for choice in choices
-            ]
-        # No choice is forced on the model, only checked: find a seed answering in text.
-        return trial if all(r.content and r.content[0].type == "text" for r in replies) else None
-
-    trial = await first_seed(attempt)
-    turns = await _turns(proxy_client, trial.trial_id)
+    # No choice is forced on the model, only checked: the worker answers in text each time.
+    scripted.script(*(tiny_reply(f"I will look at it ({i}).") for i in range(len(choices))))
+    trial = await scripted_client.create_session(sampling={"seed": 1, "temperature": 1.0})
+    async with _client(trial) as client:
+        replies = [
+            await client.messages.create(
+                model="m",
+                max_tokens=48,
+                system="You are a careful assistant with tools.",
+                messages=[{"role": "user", "content": "Look at the workspace."}],
+                tools=ANTHROPIC_TOOLS,
+                tool_choice=choice,
+            )
+            for choice in choices
+        ]
+    assert all(r.content and r.content[0].type == "text" for r in replies)
+    turns = await _turns(scripted_client, trial.trial_id)
     assert [t["tool_choice_unmet"] for t in turns] == [False, True, True]
 
 

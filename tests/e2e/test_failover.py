@@ -1,8 +1,9 @@
-"""Worker failures mid-stream, with two real ``hf`` workers on the tiny model: one in this
-process (the survivor) and one as a separate ``rollout-relay worker`` process that the test
-kills (SIGKILL: the connection drops) or freezes (SIGSTOP: it stops answering heartbeats
-and must be evicted). The agent's streamed call succeeds, the session records exactly what
-was delivered, and the next turn continues on the surviving worker."""
+"""Worker failures mid-stream, with two real workers on the tiny model: an ``hf`` worker in
+this process (the survivor) and one as a separate process that the test kills (SIGKILL:
+the connection drops) or freezes (SIGSTOP: it stops answering heartbeats and must be
+evicted). The victim's engine is scripted to keep talking (``tests.scripted_worker``), so
+it is always mid-reply when it is hit. The agent's streamed call succeeds, the session
+records exactly what was delivered, and the next turn continues on the surviving worker."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from relay import protocol
 from sdk.client import ProxyClient
-from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed, worker_command
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.scripted_worker import LONG_STORY, PacedScriptedEngine
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +34,7 @@ SURVIVOR = "b-survivor"
 # Ties between idle workers go to the smaller id, so new trials start on the victim.
 VICTIM = "a-victim"
 LONG = 240  # tokens: long enough that the victim is still generating when it is hit
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +58,12 @@ async def two_workers(
 @pytest.fixture(scope="module")
 def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process that joins the proxy as VICTIM (frozen by the first test and thawed
-    again, so that it reconnects; killed by the second)."""
+    again, so that it reconnects; killed by the second). It answers every request with
+    ``LONG_STORY``, a token every 20 ms: LONG tokens take it about five seconds."""
+    command = [sys.executable, "-m", "tests.scripted_worker", "--proxy", two_workers.worker_url]
     process = subprocess.Popen(
-        worker_command(two_workers.worker_url, tiny_model_dir, "--worker-id", VICTIM),
+        [*command, "--model", str(tiny_model_dir), "--worker-id", VICTIM, "--delay", "0.02"],
+        cwd=REPO,
         env=os.environ | {"RELAY_WORKER_TOKEN": ""},
     )
     try:
@@ -67,33 +74,14 @@ def victim(two_workers: RunningProxy, tiny_model_dir: Path) -> Iterator[subproce
             process.wait(30)
 
 
-_seeds: dict[str, int] = {}
-
-
-async def _long_seed(client: AsyncOpenAI) -> int:
-    """A seed for which the tiny model keeps talking for a while (found once)."""
-
-    async def attempt(seed: int) -> int | None:
-        reply = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "tell"}], max_tokens=48, seed=seed
-        )
-        return seed if reply.choices[0].finish_reason == "length" else None
-
-    if "long" not in _seeds:
-        _seeds["long"] = await first_seed(attempt)
-    return _seeds["long"]
-
-
-async def _stream_and_hit(
-    client: AsyncOpenAI, seed: int, hit: Any
-) -> tuple[str, Any, str | None, int]:
+async def _stream_and_hit(client: AsyncOpenAI, hit: Any) -> tuple[str, Any, str | None, int]:
     """Stream a long reply; call ``hit()`` once the first text arrived. Returns the text,
     the usage, the finish reason and how many content chunks came before the hit."""
     stream = await client.chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "tell"}],
         max_tokens=LONG,
-        seed=seed,
+        seed=1,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -118,15 +106,12 @@ async def _check_failover(
     pool = two_workers.app[POOL]
     await two_workers.wait_for_workers(2, within_seconds=120 * TIMEOUT_FACTOR)
     async with ProxyClient(two_workers.url) as proxy:
-        probe = await proxy.create_session()
-        async with AsyncOpenAI(base_url=probe.base_url, api_key=probe.api_key, max_retries=0) as c:
-            seed = await _long_seed(c)
         trial = await proxy.create_session()
         before = (pool.stats.resumed, pool.stats.worker_disconnects)
         async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
             # Bounded: a reply that never comes fails the test instead of hanging the suite.
             text, usage, finish, _ = await asyncio.wait_for(
-                _stream_and_hit(c, seed, lambda: victim.send_signal(hit_signal)),
+                _stream_and_hit(c, lambda: victim.send_signal(hit_signal)),
                 120 * TIMEOUT_FACTOR,
             )
             # After the hit another worker samples the rest: it may stop before the cap.
@@ -158,7 +143,7 @@ async def _check_failover(
                     {"role": "user", "content": "more"},
                 ],
                 max_tokens=4,
-                seed=seed,
+                seed=1,
             )
             assert follow.choices[0].finish_reason in {"stop", "length"}
         export = await proxy.trajectories(trial.trial_id)
@@ -187,20 +172,25 @@ async def test_worker_killed_mid_stream(
     await _check_failover(two_workers, victim, signal.SIGKILL)
 
 
-async def test_worker_error_mid_stream_keeps_what_was_sampled(stack: RunningProxy) -> None:
+async def test_worker_error_mid_stream_keeps_what_was_sampled(
+    scripted_stack: tuple[RunningProxy, PacedScriptedEngine], scripted: PacedScriptedEngine
+) -> None:
     """A worker that reports an error after streaming some tokens: the agent gets a clear
     error event, and the tokens sampled so far are recorded as a truncated turn."""
+    # A long reply at a token every 20 ms: still running when the error comes.
+    scripted.policy = lambda prompt: LONG_STORY
+    scripted.delay = 0.02
+    stack, _ = scripted_stack
     pool = stack.app[POOL]
     (handle,) = pool.workers.values()
     async with ProxyClient(stack.url) as proxy:
-        seed = await _long_seed_on(proxy)
         trial = await proxy.create_session()
         async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
             stream = await c.chat.completions.create(
                 model="m",
                 messages=[{"role": "user", "content": "tell"}],
                 max_tokens=48,
-                seed=seed,
+                seed=1,
                 stream=True,
             )
             chunks = aiter(stream)
@@ -220,9 +210,3 @@ async def test_worker_error_mid_stream_keeps_what_was_sampled(stack: RunningProx
     assert turn["truncated"] is True
     assert turn["finish_reason"] == "abort"
     assert 1 <= turn["completion_tokens"] < 48
-
-
-async def _long_seed_on(proxy: ProxyClient) -> int:
-    probe = await proxy.create_session()
-    async with AsyncOpenAI(base_url=probe.base_url, api_key=probe.api_key, max_retries=0) as c:
-        return await _long_seed(c)

@@ -17,6 +17,7 @@ from proxy.embedded import RunningProxy
 from sdk.client import ProxyClient
 from sdk.demo import TOOLS
 from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.scripted_worker import PacedScriptedEngine, tiny_reply
 
 pytestmark = pytest.mark.e2e
 
@@ -259,21 +260,27 @@ async def test_logprobs_are_the_recorded_ones(proxy_client: ProxyClient) -> None
     assert [c.logprob for c in content] == pytest.approx(traj["response_logprobs"], abs=1e-6)
 
 
-async def test_tool_choice_none_returns_tool_markup_as_text(proxy_client: ProxyClient) -> None:
-    """With tool_choice none, nothing is parsed into tool calls."""
-    trial = await proxy_client.create_session()
+async def test_tool_choice_none_returns_tool_markup_as_text(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
+    """With tool_choice none, nothing is parsed into tool calls: a reply in tool-call markup
+    comes back as text."""
+    scripted.script(tiny_reply("Let me look.", [("bash", {"command": "ls"})]))
+    trial = await scripted_client.create_session()
     async with _client(trial.base_url, trial.api_key) as client:
-        for seed in range(6):
-            reply = await client.chat.completions.create(
-                model="m",
-                messages=[{"role": "user", "content": "list the files"}],
-                tools=TOOLS,  # type: ignore[arg-type]
-                tool_choice="none",
-                max_tokens=40,
-                seed=seed,
-            )
-            assert not reply.choices[0].message.tool_calls
-            assert reply.choices[0].finish_reason in {"stop", "length"}
+        reply = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "list the files"}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice="none",
+            max_tokens=40,
+            seed=1,
+        )
+    assert not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason in {"stop", "length"}
+    assert '<tool_call>\n{"name": "bash"' in (reply.choices[0].message.content or "")
+    (prompt,) = scripted.prompts  # the tools were rendered all the same
+    assert '"name": "bash"' in scripted.tokenizer.decode(prompt)  # type: ignore[attr-defined]
 
 
 async def test_tool_choice_naming_an_unknown_tool_is_400(proxy_client: ProxyClient) -> None:

@@ -23,15 +23,18 @@ from proxy.embedded import RunningProxy
 from proxy.exceptions import UpstreamError
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
-from tests.e2e.conftest import first_seed
+from tests.scripted_worker import PacedScriptedEngine, tiny_reply
 from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
 
-# A request and sampling under which the tiny model often calls a tool, sometimes after a
-# line of text (tests that need either search seeds for it).
+# A request for tools, and what the tests that need a tool call script the worker to
+# answer (tests.scripted_worker): a call alone, two calls, a line of text then a call.
 TOOL_ASK = "please read the file README.md then run ls"
 _TOOL_SAMPLING: dict[str, Any] = {"temperature": 0.7}
+CALL_README = tiny_reply("", [("read_file", {"path": "README.md"})])
+TWO_CALLS = tiny_reply("", [("read_file", {"path": "README.md"}), ("bash", {"command": "ls"})])
+TEXT_THEN_CALL = tiny_reply("Let me look.", [("bash", {"command": "ls"})])
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -131,9 +134,12 @@ async def test_sync_create_reports_exact_usage(proxy_client: ProxyClient) -> Non
     assert traj["turns"][0]["api"] == "openai.responses"
 
 
-async def test_response_object_validates_with_the_sdk(proxy_client: ProxyClient) -> None:
+async def test_response_object_validates_with_the_sdk(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
     """The raw JSON validates strictly as the SDK's Response, with and without tool calls."""
-    trial = await proxy_client.create_session(sampling={"seed": 1})
+    scripted.script(tiny_reply("The files are main.py and README.md."), CALL_README)
+    trial = await scripted_client.create_session(sampling={"seed": 1})
     status, body = await _post(
         trial, {"model": "m", "input": "list the files", "max_output_tokens": 40}
     )
@@ -142,17 +148,13 @@ async def test_response_object_validates_with_the_sdk(proxy_client: ProxyClient)
     assert reply.output, body
     assert reply.tools == []
 
-    async def attempt(seed: int) -> Response | None:
-        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
-        status, body = await _post(
-            trial, {"model": "m", "input": TOOL_ASK, "tools": TOOLS, "max_output_tokens": 40}
-        )
-        assert status == 200, body
-        reply = Response.model_validate(body)
-        assert [t.type for t in reply.tools] == ["function"] * len(TOOLS)
-        return reply if any(o.type == "function_call" for o in reply.output) else None
-
-    reply = await first_seed(attempt)
+    trial = await scripted_client.create_session(sampling=_TOOL_SAMPLING | {"seed": 1})
+    status, body = await _post(
+        trial, {"model": "m", "input": TOOL_ASK, "tools": TOOLS, "max_output_tokens": 40}
+    )
+    assert status == 200, body
+    reply = Response.model_validate(body)
+    assert [t.type for t in reply.tools] == ["function"] * len(TOOLS)
     call = next(o for o in reply.output if o.type == "function_call")
     assert call.call_id.startswith("call_")
     assert call.id is not None
@@ -160,24 +162,23 @@ async def test_response_object_validates_with_the_sdk(proxy_client: ProxyClient)
     assert json.loads(call.arguments)
 
 
-async def test_async_create_with_tools_returns_function_calls(proxy_client: ProxyClient) -> None:
+async def test_async_create_with_tools_returns_function_calls(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
     """Parsed tool calls come back as function_call items matching the recorded turn."""
-
-    async def attempt(seed: int) -> tuple[TrialSession, Response] | None:
-        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
-        async with _async(trial) as client:
-            reply = await client.responses.create(
-                model="m",
-                input=[{"role": "user", "content": TOOL_ASK}],
-                tools=TOOLS,  # type: ignore[arg-type]
-                max_output_tokens=40,
-            )
-        return (trial, reply) if any(o.type == "function_call" for o in reply.output) else None
-
-    trial, reply = await first_seed(attempt)
+    scripted.script(TWO_CALLS)
+    trial = await scripted_client.create_session(sampling=_TOOL_SAMPLING | {"seed": 1})
+    async with _async(trial) as client:
+        reply = await client.responses.create(
+            model="m",
+            input=[{"role": "user", "content": TOOL_ASK}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            max_output_tokens=60,
+        )
     calls = [o for o in reply.output if o.type == "function_call"]
+    assert [c.name for c in calls] == ["read_file", "bash"]
     assert all(o.status == "completed" for o in calls)
-    turn = (await _only_trajectory(proxy_client, trial))["turns"][0]
+    turn = (await _only_trajectory(scripted_client, trial))["turns"][0]
     assert turn["tool_calls"] == len(calls)
     assert reply.status == "completed"
 
@@ -219,10 +220,13 @@ async def test_stream_equals_non_stream_for_the_session_seed(proxy_client: Proxy
     assert final.usage.input_tokens == len(second["prompt_ids"])
 
 
-async def test_stream_helper_sync_with_tools(proxy_client: ProxyClient) -> None:
+async def test_stream_helper_sync_with_tools(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
     """The sync ``responses.stream`` helper accumulates text and function calls."""
+    scripted.script(TEXT_THEN_CALL)
 
-    def call(trial: TrialSession) -> tuple[list[str], Response] | None:
+    def call(trial: TrialSession) -> tuple[list[str], Response]:
         with (
             _sync(trial) as client,
             client.responses.stream(
@@ -233,49 +237,40 @@ async def test_stream_helper_sync_with_tools(proxy_client: ProxyClient) -> None:
             ) as stream,
         ):
             kinds: list[str] = [event.type for event in stream]
-            if kinds[-1] != "response.completed":
-                return None  # cut at max_output_tokens: the helper has no final response
+            # Cut at max_output_tokens, the helper would have no final response.
+            assert kinds[-1] == "response.completed"
             return kinds, stream.get_final_response()
 
-    async def attempt(seed: int) -> tuple[list[str], Response] | None:
-        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
-        streamed = await asyncio.to_thread(call, trial)
-        if streamed is None:
-            return None
-        kinds, final = streamed
-        shape = [o.type for o in final.output]
-        return (kinds, final) if shape[:1] == ["message"] and "function_call" in shape else None
-
-    kinds, final = await first_seed(attempt, seeds=range(200))  # text, then a tool call
+    trial = await scripted_client.create_session(sampling=_TOOL_SAMPLING | {"seed": 1})
+    kinds, final = await asyncio.to_thread(call, trial)
+    shape = [o.type for o in final.output]
+    assert shape[:1] == ["message"]  # text, then a tool call
+    assert "function_call" in shape
     assert kinds[-1] == "response.completed"
     calls = [o for o in final.output if o.type == "function_call"]
     assert kinds.count("response.output_item.done") == len(final.output)
     assert kinds.count("response.function_call_arguments.done") == len(calls)
 
 
-async def test_stream_events_validate_and_keep_order(proxy_client: ProxyClient) -> None:
+async def test_stream_events_validate_and_keep_order(
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine
+) -> None:
     """Streamed events validate as the SDK's, in order: the message item, then calls."""
-
-    async def attempt(seed: int) -> list[tuple[str, dict[str, Any]]] | None:
-        trial = await proxy_client.create_session(sampling=_TOOL_SAMPLING | {"seed": seed})
-        body = {
-            "model": "m",
-            "input": TOOL_ASK,
-            "tools": TOOLS,
-            "max_output_tokens": 40,
-            "stream": True,
-        }
-        events = await _sse(trial, body)
-        _check_sequence(events)
-        done = [
-            data["item"]["type"] for name, data in events if name == "response.output_item.done"
-        ]
-        return events if done[:1] == ["message"] and len(done) >= 2 else None
-
-    events = await first_seed(attempt, seeds=range(200))  # text, then at least one call
+    scripted.script(TEXT_THEN_CALL)
+    trial = await scripted_client.create_session(sampling=_TOOL_SAMPLING | {"seed": 1})
+    body = {
+        "model": "m",
+        "input": TOOL_ASK,
+        "tools": TOOLS,
+        "max_output_tokens": 40,
+        "stream": True,
+    }
+    events = await _sse(trial, body)
+    _check_sequence(events)
     names = [name for name, _ in events]
     assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
     done = [data["item"] for name, data in events if name == "response.output_item.done"]
+    assert len(done) >= 2  # text, then at least one call
     assert [i["type"] for i in done] == ["message"] + ["function_call"] * (len(done) - 1)
     assert events[-1][1]["response"]["output"] == done
     Response.model_validate(events[-1][1]["response"])
@@ -315,22 +310,20 @@ async def _tool_loop(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_multi_turn_loop_with_tools_continues(
-    proxy_client: ProxyClient, stream: bool
+    scripted_client: ProxyClient, scripted: PacedScriptedEngine, stream: bool
 ) -> None:
     """Output items sent back (+ function_call_output) continue the same trajectory."""
-
-    async def attempt(seed: int) -> tuple[TrialSession, list[list[str]]] | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed, "temperature": 1.0})
-        async with _async(trial) as client:
-            outputs = await _tool_loop(client, 4, tools=TOOLS, stream=stream)
-        shapes = [[o.type for o in out] for out in outputs]
-        calls = any("function_call" in shape for shape in shapes)
-        return (trial, shapes) if calls and ["message"] in shapes else None
-
-    trial, shapes = await first_seed(attempt)  # turns with calls and turns with text only
+    # Turns with calls and turns with text only.
+    scripted.script(CALL_README, tiny_reply("It has a title."), TEXT_THEN_CALL, tiny_reply("Done."))
+    trial = await scripted_client.create_session(sampling={"seed": 1, "temperature": 1.0})
+    async with _async(trial) as client:
+        outputs = await _tool_loop(client, 4, tools=TOOLS, stream=stream)
+    shapes = [[o.type for o in out] for out in outputs]
+    assert any("function_call" in shape for shape in shapes), shapes
+    assert ["message"] in shapes, shapes
     assert all(shape.count("message") <= 1 for shape in shapes), shapes  # one message item
     assert all(shape[1:] == ["function_call"] * (len(shape) - 1) for shape in shapes), shapes
-    traj = await _only_trajectory(proxy_client, trial)
+    traj = await _only_trajectory(scripted_client, trial)
     assert [t["branch_reason"] for t in traj["turns"]] == ["new_session"] + ["continued"] * 3
     assert sum(t["tool_calls"] for t in traj["turns"]) == sum(
         shape.count("function_call") for shape in shapes

@@ -20,38 +20,29 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import SESSIONS
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from proxy.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
-from tests.e2e.conftest import TIMEOUT_FACTOR, first_seed
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.scripted_worker import LONG_STORY, serve_scripted
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 async def own_stack(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[RunningProxy]:
-    """A proxy and worker of its own: draining ends them."""
+    """A proxy and worker of its own: draining ends them. The worker's engine is scripted
+    to keep talking (``LONG_STORY``, a token every 10 ms: a turn of 120 tokens runs for
+    over a second), so that a turn is still running when the drain begins."""
     config = ProxyConfig(
         port=0, worker_wait_seconds=10 * TIMEOUT_FACTOR, max_tokens=200, cache_dir=tmp_path
     )
     running = await start_proxy(config)
-    start_hf_worker(running, tiny_model_dir, worker_id="drain-hf")
+    engine = serve_scripted(running, tiny_model_dir, worker_id="drain-scripted")
+    engine.policy = lambda prompt: LONG_STORY
+    engine.delay = 0.01
     await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
     yield running
     await running.stop()
-
-
-async def _long_seed(proxy: ProxyClient) -> int:
-    """A seed for which the tiny model keeps talking (probed in a trial of its own)."""
-    probe = await proxy.create_session()
-    async with AsyncOpenAI(base_url=probe.base_url, api_key=probe.api_key, max_retries=0) as c:
-
-        async def attempt(seed: int) -> int | None:
-            reply = await c.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "tell"}], max_tokens=24, seed=seed
-            )
-            return seed if reply.choices[0].finish_reason == "length" else None
-
-        return await first_seed(attempt)
 
 
 async def test_drain_finishes_running_turns_and_refuses_new_ones(own_stack: RunningProxy) -> None:
@@ -59,7 +50,6 @@ async def test_drain_finishes_running_turns_and_refuses_new_ones(own_stack: Runn
     (OpenAI and Anthropic shapes), the session API still answers, and the stream that was
     running completes and is recorded."""
     async with ProxyClient(own_stack.url) as proxy:
-        seed = await _long_seed(proxy)
         trial = await proxy.create_session()
     async with (
         AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as client,
@@ -69,7 +59,7 @@ async def test_drain_finishes_running_turns_and_refuses_new_ones(own_stack: Runn
             model="m",
             messages=[{"role": "user", "content": "tell"}],
             max_tokens=120,
-            seed=seed,
+            seed=1,
             stream=True,
         )
         chunks = aiter(stream)
@@ -104,14 +94,13 @@ async def test_drain_bound_cancels_and_records_truncated(own_stack: RunningProxy
     """A turn still running when the drain bound passes is cancelled, and what was sampled
     so far is recorded as a truncated turn."""
     async with ProxyClient(own_stack.url) as proxy:
-        seed = await _long_seed(proxy)
         trial = await proxy.create_session()
     async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
         stream = await c.chat.completions.create(
             model="m",
             messages=[{"role": "user", "content": "tell"}],
             max_tokens=200,
-            seed=seed,
+            seed=1,
             stream=True,
         )
         chunks = aiter(stream)

@@ -1,6 +1,7 @@
 """A streamed reply's deltas are written by the relay as each engine step arrives (no
-task switch per step), in every agent API, on the real proxy, hf worker and official
-clients: the client reads the same text as the whole reply, and the steps really went
+task switch per step), in every agent API, on the real proxy, worker and official clients
+(the worker's engine scripted to stream a few words one token per step, scored by the tiny
+model): the client reads the same text as the whole reply, and the steps really went
 through the relay's writer."""
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import pytest
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
-from proxy.embedded import RunningProxy
 from relay.pool import RelayCall, TokensEvent
 from sdk.client import ProxyClient
-from tests.e2e.conftest import first_seed
+from tests.scripted_worker import PacedScriptedEngine, tiny_reply
+
+# A reply of a few words (more than 8 characters, less than the requests' 24 tokens).
+STORY = "Once upon a time the agent read the file."
 
 
 @pytest.fixture
@@ -35,109 +38,102 @@ def written_by_relay(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def test_chat_stream_written_by_the_relay(
-    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+    scripted_client: ProxyClient,
+    scripted: PacedScriptedEngine,
+    written_by_relay: list[int],
 ) -> None:
-    trial = await proxy_client.create_session()
+    """Chat deltas add up to the whole reply; all but the first step went through the relay."""
+    scripted.script(tiny_reply(STORY), tiny_reply(STORY))
+    trial = await scripted_client.create_session()
     async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
-
-        async def attempt(seed: int) -> tuple[str, list[str]] | None:
-            kwargs: dict[str, Any] = {
-                "model": "m",
-                "messages": [{"role": "user", "content": f"tell me {seed}"}],
-                "max_tokens": 24,
-                "seed": seed,
-            }
-            whole = await client.chat.completions.create(**kwargs)
-            text = whole.choices[0].message.content or ""
-            if len(text) < 8:
-                return None
-            written_by_relay.clear()
-            stream = await client.chat.completions.create(stream=True, **kwargs)
-            pieces = [
-                c.choices[0].delta.content
-                async for c in stream
-                if c.choices and c.choices[0].delta.content
-            ]
-            return text, pieces
-
-        text, pieces = await first_seed(attempt)
+        kwargs: dict[str, Any] = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "tell me"}],
+            "max_tokens": 24,
+            "seed": 1,
+        }
+        whole = await client.chat.completions.create(**kwargs)
+        text = whole.choices[0].message.content or ""
+        assert len(text) >= 8
+        written_by_relay.clear()
+        stream = await client.chat.completions.create(stream=True, **kwargs)
+        pieces = [
+            c.choices[0].delta.content
+            async for c in stream
+            if c.choices and c.choices[0].delta.content
+        ]
     assert "".join(pieces) == text
     assert len(written_by_relay) >= len(pieces) - 1 > 0
 
 
 async def test_anthropic_stream_written_by_the_relay(
-    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+    scripted_client: ProxyClient,
+    scripted: PacedScriptedEngine,
+    written_by_relay: list[int],
 ) -> None:
-    async def attempt(seed: int) -> tuple[str, str] | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed, "max_tokens": 24})
-        async with AsyncAnthropic(
-            base_url=trial.anthropic_base_url, api_key=trial.api_key
-        ) as client:
-            request: dict[str, Any] = {
-                "model": "m",
-                "max_tokens": 24,
-                "messages": [{"role": "user", "content": "tell me"}],
-            }
-            whole = await client.messages.create(**request)
-            text = "".join(b.text for b in whole.content if b.type == "text")
-            if len(text) < 8:
-                return None
-            written_by_relay.clear()
-            async with client.messages.stream(**request) as stream:
-                streamed = "".join([piece async for piece in stream.text_stream])
-            return text, streamed
-
-    text, streamed = await first_seed(attempt)
+    """Anthropic text deltas add up to the whole reply, written by the relay."""
+    scripted.script(tiny_reply(STORY), tiny_reply(STORY))
+    trial = await scripted_client.create_session(sampling={"seed": 1, "max_tokens": 24})
+    async with AsyncAnthropic(base_url=trial.anthropic_base_url, api_key=trial.api_key) as client:
+        request: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": 24,
+            "messages": [{"role": "user", "content": "tell me"}],
+        }
+        whole = await client.messages.create(**request)
+        text = "".join(b.text for b in whole.content if b.type == "text")
+        assert len(text) >= 8
+        written_by_relay.clear()
+        async with client.messages.stream(**request) as stream:
+            streamed = "".join([piece async for piece in stream.text_stream])
     assert streamed == text
     assert written_by_relay
 
 
 async def test_responses_stream_written_by_the_relay(
-    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+    scripted_client: ProxyClient,
+    scripted: PacedScriptedEngine,
+    written_by_relay: list[int],
 ) -> None:
-    async def attempt(seed: int) -> tuple[str, str] | None:
-        trial = await proxy_client.create_session(sampling={"seed": seed, "max_tokens": 24})
-        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
-            request: dict[str, Any] = {"model": "m", "input": "tell me", "max_output_tokens": 24}
-            whole = await client.responses.create(**request)
-            if len(whole.output_text) < 8:
-                return None
-            written_by_relay.clear()
-            deltas = [
-                event.delta
-                async for event in await client.responses.create(stream=True, **request)
-                if event.type == "response.output_text.delta"
-            ]
-            return whole.output_text, "".join(deltas)
-
-    text, streamed = await first_seed(attempt)
-    assert streamed == text
+    """Responses text deltas add up to the whole reply, written by the relay."""
+    scripted.script(tiny_reply(STORY), tiny_reply(STORY))
+    trial = await scripted_client.create_session(sampling={"seed": 1, "max_tokens": 24})
+    async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+        request: dict[str, Any] = {"model": "m", "input": "tell me", "max_output_tokens": 24}
+        whole = await client.responses.create(**request)
+        assert len(whole.output_text) >= 8
+        written_by_relay.clear()
+        deltas = [
+            event.delta
+            async for event in await client.responses.create(stream=True, **request)
+            if event.type == "response.output_text.delta"
+        ]
+    assert "".join(deltas) == whole.output_text
     assert written_by_relay
 
 
 async def test_completions_stream_written_by_the_relay_after_its_first_chunk(
-    stack: RunningProxy, proxy_client: ProxyClient, written_by_relay: list[int]
+    scripted_client: ProxyClient,
+    scripted: PacedScriptedEngine,
+    written_by_relay: list[int],
 ) -> None:
     """The legacy API has no opening event: its first chunk goes out through aiohttp,
     the later ones through the relay."""
-    trial = await proxy_client.create_session()
+    # A plain completion is not a chat turn: it is the text alone, up to the cap.
+    scripted.script(STORY, STORY)
+    trial = await scripted_client.create_session()
     async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
-
-        async def attempt(seed: int) -> tuple[str, list[str]] | None:
-            kwargs: dict[str, Any] = {
-                "model": "m",
-                "prompt": f"once upon a time {seed}",
-                "max_tokens": 24,
-                "seed": seed,
-            }
-            whole = await client.completions.create(**kwargs)
-            if len(whole.choices[0].text) < 8:
-                return None
-            written_by_relay.clear()
-            stream = await client.completions.create(stream=True, **kwargs)
-            pieces = [c.choices[0].text async for c in stream if c.choices and c.choices[0].text]
-            return whole.choices[0].text, pieces
-
-        text, pieces = await first_seed(attempt)
+        kwargs: dict[str, Any] = {
+            "model": "m",
+            "prompt": "once upon a time",
+            "max_tokens": 24,
+            "seed": 1,
+        }
+        whole = await client.completions.create(**kwargs)
+        text = whole.choices[0].text
+        assert len(text) >= 8
+        written_by_relay.clear()
+        stream = await client.completions.create(stream=True, **kwargs)
+        pieces = [c.choices[0].text async for c in stream if c.choices and c.choices[0].text]
     assert "".join(pieces) == text
     assert len(written_by_relay) >= len(pieces) - 2 > 0

@@ -150,3 +150,37 @@ def test_a_worker_chat_template_that_is_not_a_file_is_refused(
     argv = ["worker", "--proxy", "ws://127.0.0.1:9/", "--model", str(tmp_path)]
     assert main([*argv, "--chat-template", str(missing)]) == 2
     assert f"--chat-template {missing}: no such file" in capsys.readouterr().err
+
+
+def test_the_tiny_model_is_the_shipped_one_unless_a_model_is_given(tmp_path: Path) -> None:
+    """`demo`, `up` and the benchmarks serve the shipped tiny model at once (no training on a
+    first run); --model wins over it."""
+    from proxy.cli import ensure_tiny_model
+    from worker_client.tiny_model import SHIPPED_TINY_MODEL
+
+    said: list[str] = []
+    assert ensure_tiny_model(None, said.append) == SHIPPED_TINY_MODEL
+    assert (SHIPPED_TINY_MODEL / "model.safetensors").is_file()
+    assert ensure_tiny_model(tmp_path, said.append) == tmp_path
+    assert said == []
+
+
+def test_without_the_shipped_model_one_is_written_once_with_progress(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An installation without the shipped files writes the tiny model under the user's
+    cache on the first run, saying so and how far its training is, and reuses it after."""
+    import proxy.cli as cli
+    import worker_client.tiny_model as tiny_model
+
+    monkeypatch.setattr(tiny_model, "SHIPPED_TINY_MODEL", tmp_path / "missing")
+    monkeypatch.setattr(tiny_model, "IMPRINT_STEPS", 10)
+    monkeypatch.setattr(cli, "DEFAULT_TINY_MODEL", tmp_path / "home-cache")
+    said: list[str] = []
+    assert cli.ensure_tiny_model(None, said.append) == tmp_path / "home-cache"
+    assert (tmp_path / "home-cache" / "model.safetensors").is_file()
+    assert said[0].startswith("writing the tiny model to")
+    assert said[-1] == "  training its weights on synthetic chats: 100%"
+    said.clear()
+    assert cli.ensure_tiny_model(None, said.append) == tmp_path / "home-cache"
+    assert said == []

@@ -3,6 +3,7 @@ template, and a deterministic generator."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +313,27 @@ def test_training_reports_its_progress(monkeypatch: pytest.MonkeyPatch, tmp_path
     seen: list[tuple[int, int]] = []
     write_tiny_model(tmp_path / "m", progress=lambda done, total: seen.append((done, total)))
     assert seen == [(step, 20) for step in range(2, 21, 2)]
+
+
+def test_shipped_model_is_the_generators_output(tmp_path: Path) -> None:
+    """The shipped tiny model is what ``write_tiny_model`` writes for seed 0: the same
+    tokenizer, template and configuration byte for byte, and weights of the same names and
+    shapes (their values come from training, which rounds differently on each processor).
+    A change to the generator fails here until the shipped model is written again with
+    ``rollout-relay tiny-model worker_client/assets/tiny-model``."""
+    shipped = tiny_model.SHIPPED_TINY_MODEL
+    fresh = write_tiny_model(tmp_path / "fresh", seed=0, imprint=False)
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (shipped / name).read_bytes() == (fresh / name).read_bytes(), name
+    for name in ("config.json", "generation_config.json"):
+        # Which transformers release wrote the file is not part of the model.
+        ours, theirs = (
+            json.loads((d / name).read_text()) | {"transformers_version": None}
+            for d in (shipped, fresh)
+        )
+        assert ours == theirs, name
+    weights, initial = _tensors(shipped), _tensors(fresh)
+    assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in initial.items()}
+    # Trained, not the seed's random initialisation.
+    assert any(not torch.equal(weights[k], initial[k]) for k in weights)
