@@ -324,7 +324,7 @@ async def test_codex_resends_a_lost_stream_and_gets_the_recorded_reply(
     running, engines = agent_stack
     engine = engines["qwen3"]
     engine.prompts.clear()
-    engine.policy = policy("qwen3", AGENTS["codex"])
+    engine.policy = policy(AGENTS["codex"])
     link = Link(int(running.url.rsplit(":", 1)[1]))
     await link.start()
     link.plans = ["after"]
