@@ -343,9 +343,14 @@ class RelayCall:
         """Which version sampled which of the call's tokens (the first ``total``)."""
         return version_spans(self.segments, len(self.received) if total is None else total)
 
-    def _reported(self, extra: dict[str, str | int | float]) -> None:
-        """The worker said which version sampled this attempt's tokens."""
-        version = extra.get(protocol.POLICY_VERSION)
+    def _last_tokens(self, done: protocol.Done) -> None:
+        """An attempt's Done: its last tokens arrive, and the worker says which version
+        sampled the attempt's tokens (replacing what the pool assumed at dispatch)."""
+        if done.token_ids:
+            ids = protocol.unpack_ids(done.token_ids)
+            self.received.extend(ids)
+            self._push(TokensEvent(ids, protocol.unpack_logprobs(done.logprobs)))
+        version = done.extra.get(protocol.POLICY_VERSION)
         if self.segments and isinstance(version, int) and not isinstance(version, bool):
             self.segments[-1] = (self.segments[-1][0], version)
 
@@ -862,11 +867,7 @@ class WorkerPool:
         self._calls.pop(rid, None)
         if isinstance(message, protocol.Done):
             handle.served += 1
-            if message.token_ids:
-                ids = protocol.unpack_ids(message.token_ids)
-                call.received.extend(ids)
-                call._push(TokensEvent(ids, protocol.unpack_logprobs(message.logprobs)))
-            call._reported(message.extra)
+            call._last_tokens(message)
             call._transition(RequestState.FINISHED)
             call._push(FinishedEvent(message.finish_reason, handle.worker_id, dict(message.extra)))
         else:
@@ -876,11 +877,7 @@ class WorkerPool:
     def _preempted(self, handle: WorkerHandle, call: RelayCall, done: protocol.Done) -> None:
         """A weight update aborted the request: it continues from its tokens, on the new
         weights (it waits in the queue, at the front, while the update holds the pool)."""
-        if done.token_ids:
-            ids = protocol.unpack_ids(done.token_ids)
-            call.received.extend(ids)
-            call._push(TokensEvent(ids, protocol.unpack_logprobs(done.logprobs)))
-        call._reported(done.extra)
+        call._last_tokens(done)
         call.state = RequestState.QUEUED
         call.worker_id = None
         call.attempts -= 1  # a preemption is no failed attempt
