@@ -30,7 +30,16 @@ from bench.agents import (
 )
 from bench.processes import Proc, Processes, free_port, wait_http
 
-SECTIONS = ("latency", "stream", "inmemory", "context", "memory", "profile", "replicas")
+SECTIONS = (
+    "latency",
+    "history",
+    "stream",
+    "inmemory",
+    "context",
+    "memory",
+    "profile",
+    "replicas",
+)
 
 
 @dataclass(slots=True)
@@ -64,6 +73,9 @@ class Sizes:
     replica_concurrency: int = 64
     replica_turns: int = 8192
     replica_stream_turns: int = 4096
+    # Growing conversations, one session per agent for all its turns: (agents, turns each).
+    history_runs: tuple[tuple[int, int], ...] = ((1, 300), (64, 30))
+    history_edge_turns: int = 10  # "the first turns" and "the last turns" compared
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -89,6 +101,8 @@ class Sizes:
             replica_concurrency=4,
             replica_turns=12,
             replica_stream_turns=8,
+            history_runs=((1, 12), (4, 4)),
+            history_edge_turns=3,
         )
 
 
@@ -195,6 +209,66 @@ async def section_latency(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
                     f"cpu={row['server_cpu_ms_per_turn']:.2f}ms/turn",
                     flush=True,
                 )
+    return rows
+
+
+async def section_history(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
+    """Growing conversations (each agent keeps one session, its history two messages
+    longer every turn, as an agent loop's is): CPU per turn of what serves them (the
+    proxy and its worker; the bare upstream; LiteLLM) and the latency of the first turns
+    against the last, side by side in one run."""
+    rows: list[dict[str, Any]] = []
+    targets = [Target("direct", stack.upstream.url), Target("proxy", stack.proxy.url)]
+    if stack.litellm is not None:
+        targets.append(Target("litellm", stack.litellm.url))
+    serving: dict[str, list[Proc]] = {
+        "direct": [stack.upstream],
+        "proxy": [stack.proxy, stack.workers[0]],
+        "litellm": [stack.litellm] if stack.litellm is not None else [],
+    }
+    edge = sizes.history_edge_turns
+    for agents, turns in sizes.history_runs:
+        for target in targets:
+            procs = serving[target.kind]
+            before: list[float] = []
+
+            async def on_start(before: list[float] = before, procs: list[Proc] = procs) -> None:
+                before[:] = [p.cpu_seconds() for p in procs]
+
+            result = await run_load(
+                target,
+                concurrency=agents,
+                total_turns=agents * turns,
+                turns_per_session=turns,
+                stream=False,
+                max_tokens=64,
+                on_start=on_start,
+            )
+            cpu = sum(p.cpu_seconds() - b for p, b in zip(procs, before, strict=True))
+            first = [c.seconds * 1e3 for c in result.calls if c.turn < edge]
+            last = [c.seconds * 1e3 for c in result.calls if c.turn >= turns - edge]
+            n = max(len(result.calls), 1)
+            row: dict[str, Any] = {
+                "target": target.kind,
+                "agents": agents,
+                "turns_each": turns,
+                "turns": len(result.calls),
+                "errors": result.errors,
+                "cpu_ms_per_turn": cpu / n * 1e3,
+                "turns_per_s": len(result.calls) / result.wall_seconds
+                if result.wall_seconds
+                else 0.0,
+                "p50_first_ms": median(first) if first else None,
+                "p50_last_ms": median(last) if last else None,
+                "prompt_tokens_last": max((c.prompt_tokens for c in result.calls), default=0),
+            }
+            rows.append(row)
+            print(
+                f"  {target.kind:8s} {agents}x{turns} turns={row['turns']} "
+                f"err={row['errors']} cpu={row['cpu_ms_per_turn']:.2f}ms/turn "
+                f"p50 first={_fmt(row['p50_first_ms'])}ms last={_fmt(row['p50_last_ms'])}ms",
+                flush=True,
+            )
     return rows
 
 
@@ -714,6 +788,10 @@ async def run(
         if "latency" in sections:
             print("latency / throughput", flush=True)
             results["latency"] = await section_latency(stack, sizes)
+            save(results)
+        if "history" in sections:
+            print("growing conversations", flush=True)
+            results["history"] = await section_history(stack, sizes)
             save(results)
         if "stream" in sections:
             print("paced streams", flush=True)

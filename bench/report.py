@@ -170,6 +170,33 @@ def context_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def history_table(rows: list[dict[str, Any]]) -> str:
+    """Growing conversations, per run: each target's CPU per turn (the proxy's with its
+    worker's), against the bare upstream and LiteLLM, and the last turns' latency against
+    the first turns'."""
+    lines = [
+        "| agents × turns | target | turns | errors | CPU ms/turn | × bare upstream | LiteLLM ÷ this | p50 first turns (ms) | p50 last turns (ms) | last ÷ first | prompt tokens at the end |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    runs: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        runs.setdefault((r["agents"], r["turns_each"]), {})[r["target"]] = r
+    for (agents, turns), by_target in runs.items():
+        bare = by_target.get("direct", {}).get("cpu_ms_per_turn")
+        litellm = by_target.get("litellm", {}).get("cpu_ms_per_turn")
+        for r in by_target.values():
+            cpu = r["cpu_ms_per_turn"]
+            first, last = r["p50_first_ms"], r["p50_last_ms"]
+            lines.append(
+                f"| {agents} × {turns} | {r['target']} | {r['turns']} | {r['errors']} | "
+                f"{cpu:.2f} | {_f(cpu / bare if bare else None)} | "
+                f"{_f(litellm / cpu if litellm and cpu else None)} | {_f(first)} | "
+                f"{_f(last)} | {_f(last / first if first and last else None)} | "
+                f"{r['prompt_tokens_last']} |"
+            )
+    return "\n".join(lines)
+
+
 def stream_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| concurrency | replies | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | **proxy CPU µs per token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
@@ -366,6 +393,8 @@ def render(
             inmemory_table(results["latency"], results["inmemory"]),
             "",
         ]
+    if "history" in results:
+        parts += ["## Growing conversations", "", history_table(results["history"]), ""]
     if "stream" in results:
         parts += ["## Streams at an engine's pace", "", stream_table(results["stream"]), ""]
     if "context" in results:

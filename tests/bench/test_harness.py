@@ -30,7 +30,7 @@ def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             "--quick",
             "--no-litellm",
             "--sections",
-            "latency,stream,inmemory,context,memory",
+            "latency,history,stream,inmemory,context,memory",
             "--model",
             str(tiny_model_dir),
             "--out",
@@ -71,6 +71,27 @@ def test_every_load_run_completes_its_turns(results: dict[str, object]) -> None:
         assert row["sessions"] >= math.ceil(row["turns"] / sizes.turns_per_session)
         if row["stream"]:
             assert 0 < row["ttft_p50_ms"] <= row["p50_ms"] + 1e-9
+
+
+def test_growing_conversations_keep_one_session_per_agent(results: dict[str, object]) -> None:
+    """Each growing-conversation run served every agent's turns in one session on every
+    target, its prompts growing to the end, with a CPU figure and both latency edges."""
+    sizes = Sizes.quick()
+    rows = results["history"]
+    assert isinstance(rows, list)
+    assert {(r["target"], r["agents"], r["turns_each"]) for r in rows} == {
+        (t, a, n) for t in ("direct", "proxy") for a, n in sizes.history_runs
+    }
+    for row in rows:
+        assert row["errors"] == 0
+        assert row["turns"] == row["agents"] * row["turns_each"]
+        assert row["cpu_ms_per_turn"] > 0
+        assert row["p50_first_ms"] > 0
+        assert row["p50_last_ms"] > 0
+    proxy = [r for r in rows if r["target"] == "proxy"]
+    # A history two messages longer each turn: the last prompt is far longer than a
+    # first one (60 system + 40 user words, ~1.3 tokens a word on the tiny vocabulary).
+    assert all(r["prompt_tokens_last"] > 60 * r["turns_each"] for r in proxy)
 
 
 def test_long_context_turns_continue_the_session(results: dict[str, object]) -> None:
@@ -147,6 +168,7 @@ def test_markdown_report_has_every_table(results: dict[str, object]) -> None:
         "## Streams at an engine's pace",
         "## Long contexts",
         "## Memory",
+        "## Growing conversations",
     ):
         assert heading in text
     assert "cores" in text
