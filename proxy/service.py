@@ -482,10 +482,7 @@ class TurnService:
         except ProxyError:
             if decoding.detok.ids:
                 # The worker failed mid-turn: what it sampled is kept as a truncated turn.
-                cut = self._record(
-                    prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
-                )
-                self._commit_later(prepared.session, cut.node)
+                self._keep_cut(prepared, decoding)
             self._settled(prepared)
             raise
         except (asyncio.CancelledError, GeneratorExit):
@@ -496,11 +493,7 @@ class TurnService:
                 self._detach(prepared, decoding)
                 raise
             await call.cancel()
-            cut = self._record(
-                prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
-            )
-            # Nobody waits for this reply; the write is queued and committed regardless.
-            self._commit_later(prepared.session, cut.node)
+            self._keep_cut(prepared, decoding)
             self._settled(prepared)
             raise
         if finished is None:
@@ -508,17 +501,7 @@ class TurnService:
         # The generation is over: record it whole before the last events go out, so an
         # agent that leaves while they are written loses nothing that was sampled.
         last, parsed = decoding.finish()
-        result = self._record(
-            prepared,
-            decoding.detok.ids,
-            decoding.logprobs,
-            finished,
-            parsed,
-            truncated=False,
-            streamed=decoding.calls,
-            stop_sequence=decoding.stopper.hit,
-            reasoning="".join(decoding.splitter.reasoning),
-        )
+        result = self._record_whole(prepared, decoding, finished, parsed)
         # Durable before the agent is answered: TurnDone is what writes the reply's end
         # (the whole body, or the stream's final events).
         await self._commit(prepared.session, result.node)
@@ -551,30 +534,16 @@ class TurnService:
             except (RelayError, NoWorkerAvailableError):
                 finished = None
             if finished is None:
-                cut = self._record(
-                    prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
-                )
-                self._commit_later(prepared.session, cut.node)
+                self._keep_cut(prepared, decoding)
                 return
             _, parsed = decoding.finish()
-            result = self._record(
-                prepared,
-                decoding.detok.ids,
-                decoding.logprobs,
-                finished,
-                parsed,
-                truncated=False,
-                reasoning="".join(decoding.splitter.reasoning),
-            )
+            result = self._record_whole(prepared, decoding, finished, parsed)
             if self.metrics is not None:
                 self.metrics.undelivered_turns.labels(prepared.request.api).inc()
             self._commit_later(prepared.session, result.node)
         except asyncio.CancelledError:  # the proxy stops
             await call.cancel()
-            cut = self._record(
-                prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
-            )
-            self._commit_later(prepared.session, cut.node)
+            self._keep_cut(prepared, decoding)
             raise
         except StorageError as exc:  # the store closed first: the proxy is stopping
             log.warning("a reply finished after its client left could not be saved: %s", exc)
@@ -625,6 +594,34 @@ class TurnService:
     def _commit_later(self, session: Session, node: TurnNode) -> None:
         if self.store is not None and _recorded(session, node):
             self.store.save_turn(session, node).add_done_callback(_log_failed_write)
+
+    def _keep_cut(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
+        """What was sampled of a reply that did not finish, recorded as a truncated turn;
+        nobody waits for it, so its write is queued and committed regardless."""
+        cut = self._record(
+            prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
+        )
+        self._commit_later(prepared.session, cut.node)
+
+    def _record_whole(
+        self,
+        prepared: PreparedTurn,
+        decoding: _Decoding,
+        finished: FinishedEvent,
+        parsed: ParsedOutput,
+    ) -> TurnResult:
+        """A finished reply, recorded whole (before its last events go out)."""
+        return self._record(
+            prepared,
+            decoding.detok.ids,
+            decoding.logprobs,
+            finished,
+            parsed,
+            truncated=False,
+            streamed=decoding.calls,
+            stop_sequence=decoding.stopper.hit,
+            reasoning="".join(decoding.splitter.reasoning),
+        )
 
     def _record(
         self,
