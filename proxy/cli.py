@@ -547,18 +547,16 @@ def _warn_open(why: str, host: str = "127.0.0.1") -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from proxy.demo import log_to_file, run_demo
-
-    def say(line: str) -> None:
-        print(line, flush=True)
+    from proxy.demo import run_demo
 
     if args.host not in {"127.0.0.1", "localhost", "::1"}:
         _warn_open("`rollout-relay demo`", args.host)
-    say("rollout-relay demo: an agent episode through the proxy on a tiny random model (CPU)")
-    if not args.verbose:
-        log_file = Path(tempfile.gettempdir()) / "rollout-relay-demo.log"
-        log_to_file(log_file)
-        say(f"  (the proxy's and worker's logs: {log_file}; -v shows them here)")
+    say = _console(
+        "rollout-relay demo: an agent episode through the proxy on a tiny random model (CPU)",
+        "demo",
+        "the proxy's and worker's",
+        verbose=args.verbose,
+    )
     model = ensure_tiny_model(args.model, say)
     say(f"[1/5] model: {model}")
     try:
@@ -577,12 +575,24 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _console(title: str, name: str, whose: str, *, verbose: bool) -> Callable[[str], None]:
+    """What a console command (demo, train) tells its user, line by line: the title now;
+    unless ``verbose``, the logs go to a file, and the user is told where."""
     from proxy.demo import log_to_file
-    from proxy.train import run_train
 
     def say(line: str) -> None:
         print(line, flush=True)
+
+    say(title)
+    if not verbose:
+        log_file = Path(tempfile.gettempdir()) / f"rollout-relay-{name}.log"
+        log_to_file(log_file)
+        say(f"  ({whose} logs: {log_file}; -v shows them here)")
+    return say
+
+
+def _train(args: argparse.Namespace) -> int:
+    from proxy.train import run_train
 
     # GRPO compares the episodes of a group: two at least.
     for flag, value, least in (
@@ -597,11 +607,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.learning_rate <= 0:
         print("rollout-relay train: --learning-rate must be positive", file=sys.stderr)
         return 2
-    say("rollout-relay train: TRL's GRPOTrainer trains a policy through the proxy (CPU)")
-    if not args.verbose:
-        log_file = Path(tempfile.gettempdir()) / "rollout-relay-train.log"
-        log_to_file(log_file)
-        say(f"  (the proxy's, worker's and trainer's logs: {log_file}; -v shows them here)")
+    say = _console(
+        "rollout-relay train: TRL's GRPOTrainer trains a policy through the proxy (CPU)",
+        "train",
+        "the proxy's, worker's and trainer's",
+        verbose=args.verbose,
+    )
     model = ensure_tiny_model(args.model, say)
     say(f"[1/3] model: {model} (the workers' version 0 and the trainer's start)")
     try:
