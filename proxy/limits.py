@@ -5,7 +5,6 @@ the session is unchanged. Pure checks; 0 means no limit of that kind."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from proxy.exceptions import BadRequestError, TooManyRequestsError
@@ -25,11 +24,6 @@ def check_message_count(limits: Limits, count: int) -> None:
             f"{limits.max_messages} per request",
             code="too_many_messages",
         )
-
-
-def stored_tokens(token_counts: Iterable[tuple[int, int]]) -> int:
-    """Tokens a session stores, from each turn's (context, completion) lengths."""
-    return sum(context + completion for context, completion in token_counts)
 
 
 def session_token_room(limits: Limits, stored: int, adding: int) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
@@ -36,7 +37,7 @@ from proxy.exceptions import (
     UpstreamError,
 )
 from proxy.ids import new_id
-from proxy.limits import Limits, check_message_count, session_token_room, stored_tokens
+from proxy.limits import Limits, check_message_count, session_token_room
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
@@ -238,11 +239,7 @@ class TurnService:
             )
         else:
             plan = plan_turn(session, renderer, request.messages, request.tools)
-        room = session_token_room(
-            self.limits,
-            stored_tokens((len(n.context_ids), len(n.completion_ids)) for n in session.nodes),
-            len(plan.context_ids),
-        )
+        room = session_token_room(self.limits, session.stored_tokens, len(plan.context_ids))
         sampling = resolve_sampling(
             request.sampling,
             session.sampling,
@@ -688,9 +685,7 @@ class TurnService:
                 truncated=truncated,
                 stop_sequence=stop_sequence,
                 tool_choice_unmet=unmet,
-                reasoning_returned=sum(
-                    1 for m in prepared.request.messages if m.role == "assistant" and m.reasoning
-                ),
+                reasoning_returned=_with_reasoning(prepared.request.messages),
                 capped=capped,
                 extra=dict(finished.extra) if finished is not None else {},
                 versions=[list(span) for span in call.version_spans(len(ids))],
@@ -848,6 +843,17 @@ def _tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
     return [t.template_dict() for t in tools] if tools else None
 
 
+_CONTENT = operator.attrgetter("content")
+_REASONING = operator.attrgetter("reasoning")
+
+
+def _with_reasoning(messages: Sequence[ChatMessage]) -> int:
+    """How many of the history's (assistant) messages came with their reasoning; counted
+    in C, as the history may be long."""
+    return sum(map(bool, map(_REASONING, messages)))
+
+
 def _large(messages: Sequence[ChatMessage]) -> bool:
-    """Big renders go to a thread so they do not stall other sessions' streams."""
-    return sum(len(m.content) for m in messages) > 200_000
+    """Big renders go to a thread so they do not stall other sessions' streams. (The
+    sum runs in C: a long history costs a few microseconds here.)"""
+    return sum(map(len, map(_CONTENT, messages))) > 200_000

@@ -49,9 +49,10 @@ def openai_error(exc: ProxyError) -> web.Response:
     return response
 
 
-def validation_message(exc: ValidationError) -> str:
+def validation_message(exc: ValidationError, at: tuple[str | int, ...] = ()) -> str:
+    """The first error, where it is (``at``: where the validated part sits in the body)."""
     first = exc.errors(include_url=False, include_input=False)[0]
-    where = ".".join(str(p) for p in first["loc"]) or "body"
+    where = ".".join(str(p) for p in (*at, *first["loc"])) or "body"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"invalid request: {where}: {first['msg']}{more}"
 

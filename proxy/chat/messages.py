@@ -37,7 +37,8 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
-    reasoning: str | None = None  # an assistant message's reasoning, as the agent sent it
+    # An assistant message's reasoning, as the agent sent it (no other role has one).
+    reasoning: str | None = None
 
     def template_dict(self, *, string_arguments: bool = False) -> dict[str, Any]:
         """The message as Hugging Face chat templates expect it. Tool-call arguments are

@@ -10,7 +10,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from proxy.chat.messages import ChatMessage, Tool, prefix_keys
+from proxy.chat.messages import ChatMessage, Tool
 from proxy.chat.renderer import ChatRenderer, NotPrefixStableError
 from proxy.sessions.model import PromptPlan, Session
 from proxy.sessions.options import HistoryPolicy
@@ -22,7 +22,7 @@ def plan_turn(
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool],
 ) -> PromptPlan:
-    keys = prefix_keys(tools, messages)
+    keys = session.history.keys(tools, messages)
     found = session.find_continuation(keys)
     reason = "new_session" if not session.nodes else "new_branch"
     variables = session.options.chat_template_kwargs

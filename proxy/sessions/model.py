@@ -28,6 +28,7 @@ from typing import Any, NewType
 
 import msgspec
 
+from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
 from proxy.sessions.options import SessionOptions
 
@@ -182,6 +183,14 @@ class Session:
     by_key: dict[bytes, int] = field(default_factory=dict)
     # The latest turn recorded for each request body hash (retries are found by it).
     by_request: dict[str, int] = field(default_factory=dict)
+    # Tokens the session stores: every turn's context and sampled tokens.
+    stored_tokens: int = 0
+    # Caches that keep a turn's cost to what it adds (in memory only, rebuilt on a miss,
+    # dropped when the session stops taking requests): the histories lately sent, and
+    # the whole context that ends with one turn (the turn the next request most likely
+    # continues).
+    history: HistoryMemory = field(default_factory=HistoryMemory, repr=False, compare=False)
+    last_context: tuple[int, array[int]] | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return f"<Session {self.trial_id} {self.state.value} turns={len(self.nodes)}>"
@@ -195,6 +204,8 @@ class Session:
             )
         self.state = state
         self.updated_at = time.time()
+        self.history = HistoryMemory()
+        self.last_context = None
         if state is SessionState.COMPLETED:
             self.completed_at = self.updated_at
             self.completed_by = by
@@ -220,11 +231,26 @@ class Session:
         return out
 
     def context_ids(self, index: int) -> array[int]:
-        """Every token of the context that ends with node ``index``'s completion."""
-        ids: array[int] = array("i")
-        for node in self.path(index):
+        """Every token of the context that ends with node ``index``'s completion (a new
+        array, the caller's to extend).
+
+        The last one built is kept: an agent continues the turn it was just answered
+        with, whose context is then the kept one plus that turn's tokens (copied, not
+        gathered again from every turn before it)."""
+        kept = self.last_context  # read once: a render in a thread may replace it
+        node = self.nodes[index]
+        if kept is not None and kept[0] == index:
+            return kept[1][:]
+        if kept is not None and kept[0] == node.parent:
+            ids = kept[1][:]
             ids.extend(node.context_ids)
             ids.extend(node.completion_ids)
+        else:
+            ids = array("i")
+            for step in self.path(index):
+                ids.extend(step.context_ids)
+                ids.extend(step.completion_ids)
+        self.last_context = (index, ids[:])
         return ids
 
     def find_continuation(self, keys: Sequence[bytes]) -> tuple[int, int] | None:
@@ -243,6 +269,7 @@ class Session:
         if node.parent is not None:
             self.nodes[node.parent].children += 1
         self.nodes.append(node)
+        self.stored_tokens += len(node.context_ids) + len(node.completion_ids)
         self.by_key[node.key] = node.index
         if node.meta.request_hash:
             self.by_request[node.meta.request_hash] = node.index

@@ -10,7 +10,6 @@ from proxy.limits import (
     check_message_count,
     check_session_count,
     session_token_room,
-    stored_tokens,
 )
 
 
@@ -22,12 +21,6 @@ def test_message_count() -> None:
     assert exc.value.code == "too_many_messages"
     assert "3" in exc.value.message
     check_message_count(Limits(max_messages=0), 10**6)
-
-
-def test_stored_tokens() -> None:
-    """Context and sampled tokens of every turn count."""
-    assert stored_tokens([(10, 5), (3, 2)]) == 20
-    assert stored_tokens([]) == 0
 
 
 def test_session_token_room() -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from proxy.api.errors import parse_json, validation_message
+from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage, Tool, ToolCall
 from proxy.exceptions import BadRequestError
 
@@ -120,9 +123,11 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionFields(_Lenient):
+    """A chat completion request but its messages: they are validated one by one, and
+    only those a session has not seen before (``parse_chat_completion``)."""
+
     model: str = Field(min_length=1)
-    messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -137,9 +142,6 @@ class ChatCompletionRequest(_Lenient):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-    def internal_messages(self) -> list[ChatMessage]:
-        return [m.to_internal(i) for i, m in enumerate(self.messages)]
 
     def stop_strings(self) -> tuple[str, ...]:
         return stop_strings(self.stop)
@@ -164,6 +166,62 @@ class ChatCompletionRequest(_Lenient):
         # Tools stay part of the context even with tool_choice "none": the template
         # rendered them, and the session's keys include them.
         return [t.to_internal() for t in self.tools or ()]
+
+
+class ChatCompletionRequest(ChatCompletionFields):
+    """The whole request validated in one piece: what names the error of a body the
+    message-by-message path cannot take apart."""
+
+    messages: list[MessageIn] = Field(min_length=1)
+
+    def internal_messages(self) -> list[ChatMessage]:
+        return [m.to_internal(i) for i, m in enumerate(self.messages)]
+
+
+# The body taken apart in one scan in C: each message's JSON text (no Python object per
+# message), and the text of each other field the request model reads (the rest is
+# ignored, as the model ignores it).
+_FIELDS = tuple(ChatCompletionFields.model_fields)
+_Parts = msgspec.defstruct(
+    "_Parts",
+    [("messages", list[msgspec.Raw])]
+    + [(name, msgspec.Raw | msgspec.UnsetType, msgspec.UNSET) for name in _FIELDS],
+)
+_PARTS = msgspec.json.Decoder(_Parts)
+
+
+def parse_chat_completion(
+    body: bytes, memory: HistoryMemory
+) -> tuple[ChatCompletionFields, list[ChatMessage]]:
+    """A chat completion body's fields and internal messages.
+
+    An agent resends its whole history every turn: the messages it shares, byte for byte,
+    with a history ``memory`` holds are taken from there, and only the rest are validated
+    and converted. A body that does not come apart (not JSON, no message list) is
+    validated whole, which names its error as before."""
+    try:
+        parts = _PARTS.decode(body)
+    except msgspec.DecodeError:
+        parts = None
+    items: list[object] = getattr(parts, "messages", [])
+    if not items:
+        whole = parse_json(ChatCompletionRequest, body)
+        return whole, whole.internal_messages()
+    given = {name: getattr(parts, name) for name in _FIELDS}
+    rest = {name: text for name, text in given.items() if text is not msgspec.UNSET}
+    fields = parse_json(ChatCompletionFields, msgspec.json.encode(rest))
+    return fields, memory.messages(items, _message)
+
+
+def _message(raw: object, index: int) -> ChatMessage:
+    assert isinstance(raw, msgspec.Raw)
+    try:
+        message = MessageIn.model_validate_json(bytes(raw))
+    except ValidationError as exc:
+        raise BadRequestError(
+            validation_message(exc, at=("messages", index)), code="invalid_request"
+        ) from None
+    return message.to_internal(index)
 
 
 class CompletionRequest(_Lenient):

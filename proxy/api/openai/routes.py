@@ -10,10 +10,10 @@ from typing import Any
 from aiohttp import web
 
 from proxy.api.delivery import retry_marks, send_whole, settle
-from proxy.api.errors import error_body, json_response, parse_json
+from proxy.api.errors import error_body, json_response
 from proxy.api.openai import completions
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
-from proxy.api.openai.models import ChatCompletionRequest
+from proxy.api.openai.models import parse_chat_completion
 from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
@@ -93,11 +93,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
     body = await request.read()
-    parsed = parse_json(ChatCompletionRequest, body)
+    parsed, messages = parse_chat_completion(body, session.history)
     turn = TurnRequest(
         api="openai.chat",
         requested_model=parsed.model,
-        messages=parsed.internal_messages(),
+        messages=messages,
         tools=parsed.internal_tools(),
         sampling=AgentSampling(
             max_tokens=parsed.max_completion_tokens or parsed.max_tokens,

@@ -1,0 +1,128 @@
+"""A session's memory of the histories it was sent lately, so a turn costs what it adds.
+
+An agent sends its whole history with every request, two messages longer each turn. What
+the proxy derives from a history is a function of each message and the messages before
+it: a message's internal form depends on its own JSON only, and the context key of the
+first k messages on the tools and those k messages. So a session remembers the last few
+histories it saw (``MEMORY``), and a request reuses what it shares with one of them from
+the start, byte for byte for the JSON (one memory comparison per message, in C), and
+object for object for the keys. Only the messages past the shared prefix are validated,
+converted and hashed.
+
+Everything here is a cache of pure functions: a request that shares nothing computes
+the same result from scratch, a refused request leaves nothing behind but a cache entry,
+and a restarted proxy starts with an empty memory. A history that forks (a branch, a
+rewritten message) shares the prefix before the fork and recomputes the rest; the keys,
+not this memory, decide which turn a request continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from proxy.chat.messages import ChatMessage, Tool, extend_key, root_key
+
+# How many recent histories a session remembers: one agent's chain, plus a few for
+# sessions that several agents share or that branch back and forth.
+MEMORY = 4
+
+
+@dataclass(slots=True, frozen=True)
+class _Parsed:
+    raws: list[object]  # each message's JSON text as received (bytes-like, comparable)
+    messages: list[ChatMessage]
+
+
+@dataclass(slots=True, frozen=True)
+class _Keyed:
+    root: bytes  # the tools' key
+    messages: list[ChatMessage]
+    keys: list[bytes]  # keys[k]: the context of the tools and messages[:k]
+
+
+_Item = TypeVar("_Item")
+
+
+def shared_prefix(old: list[_Item], new: list[_Item]) -> int:
+    """How many leading items ``new`` shares with ``old``. The common case, ``new``
+    extending ``old``, is one list comparison in C (identical objects compare by
+    address); otherwise a binary search over prefix comparisons, also in C."""
+    n = min(len(old), len(new))
+    if old[:n] == new[:n]:
+        return n
+    lo, hi = 0, n - 1  # the first n - 1 items may still match
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if old[:mid] == new[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_Chain = TypeVar("_Chain", _Parsed, _Keyed)
+
+
+def _remember(
+    chains: tuple[_Chain, ...], chain: _Chain, replaces: _Chain | None
+) -> tuple[_Chain, ...]:
+    """The memory with ``chain`` as the most recent entry: it takes the place of the
+    entry it grew from, else pushes out the oldest."""
+    kept: list[_Chain] = [c for c in chains if c is not replaces]
+    kept = kept[-(MEMORY - 1) :]
+    kept.append(chain)
+    return tuple(kept)
+
+
+class HistoryMemory:
+    """The recent histories of one session. The memory is replaced whole, never changed
+    in place, so a render running in a thread and the event loop may share it."""
+
+    __slots__ = ("_keyed", "_parsed")
+
+    def __init__(self) -> None:
+        self._parsed: tuple[_Parsed, ...] = ()
+        self._keyed: tuple[_Keyed, ...] = ()
+
+    def messages(
+        self, raws: list[object], convert: Callable[[object, int], ChatMessage]
+    ) -> list[ChatMessage]:
+        """The internal messages of a request whose messages' JSON texts are ``raws``:
+        those it shares with a remembered history are reused, ``convert(raw, index)``
+        makes the rest (and raises for one that is invalid; nothing is remembered
+        then)."""
+        best: _Parsed | None = None
+        shared = 0
+        for chain in self._parsed:
+            n = shared_prefix(chain.raws, raws)
+            if n > shared or best is None:
+                best, shared = chain, n
+        messages = best.messages[:shared] if best is not None else []
+        messages.extend(convert(raws[i], i) for i in range(shared, len(raws)))
+        grew_from = best if best is not None and shared == len(best.raws) else None
+        self._parsed = _remember(self._parsed, _Parsed(raws, messages), grew_from)
+        return list(messages)
+
+    def keys(self, tools: Sequence[Tool], messages: Sequence[ChatMessage]) -> list[bytes]:
+        """``keys[k]`` identifies the context made of ``tools`` and ``messages[:k]``
+        (``proxy.chat.messages.prefix_keys``), hashing only the messages past the
+        longest prefix shared with a remembered history of the same tools."""
+        root = root_key(tools)
+        history = list(messages)
+        best: _Keyed | None = None
+        shared = 0
+        for chain in self._keyed:
+            if chain.root != root:
+                continue
+            n = shared_prefix(chain.messages, history)
+            if n > shared or best is None:
+                best, shared = chain, n
+        keys = best.keys[: shared + 1] if best is not None else [root]
+        for message in history[shared:]:
+            keys.append(extend_key(keys[-1], message))
+        grew_from = best if best is not None and shared == len(best.messages) else None
+        chain = _Keyed(root, history, keys)
+        self._keyed = _remember(self._keyed, chain, grew_from)
+        return list(keys)
