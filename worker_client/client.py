@@ -16,7 +16,7 @@ import logging
 import random
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,7 +288,7 @@ class WorkerClient:
             seed=s.seed,
             stop_token_ids=tuple(s.stop_token_ids),
         )
-        prompt = protocol.unpack_ids(message.prompt_ids)
+        prompt = protocol.unpack_id_array(message.prompt_ids)
         finished = started = False
         try:
             # One admission limit per engine, whichever proxy the request came from.
@@ -312,7 +312,7 @@ class WorkerClient:
         outbox: Outbox,
         served: ServedModel,
         rid: str,
-        prompt: list[int],
+        prompt: Sequence[int],
         sampling: SamplingParams,
     ) -> None:
         """Stream one request's tokens; returns once its Done is queued."""

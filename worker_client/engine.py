@@ -17,6 +17,7 @@ At temperature 1.0 with top-p 1.0 and top-k off, both are identical.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -92,6 +93,12 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def id_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as a list, for an engine API that takes one. A prompt comes from the
+    relay as an int32 array: its ``tolist`` is a few times faster than ``list``."""
+    return ids.tolist() if isinstance(ids, array) else list(ids)
 
 
 def check_prompt(card: ModelCard, prompt_ids: Sequence[int]) -> int:

@@ -37,6 +37,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    id_list,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 
@@ -235,7 +236,9 @@ class HFEngine:
                 if request_id in self._aborted:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
-                entry = await loop.run_in_executor(self._executor, self._prefill, list(prompt_ids))
+                entry = await loop.run_in_executor(
+                    self._executor, self._prefill, id_list(prompt_ids)
+                )
                 generator = torch.Generator(device=self.device)
                 if sampling.seed is not None:
                     generator.manual_seed(sampling.seed)

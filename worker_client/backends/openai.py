@@ -45,6 +45,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    id_list,
 )
 from worker_client.exceptions import (
     EngineError,
@@ -70,7 +71,7 @@ def completion_request(
     """The ``/v1/completions`` body for one generation."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": list(prompt_ids),
+        "prompt": id_list(prompt_ids),
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,

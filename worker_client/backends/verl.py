@@ -29,6 +29,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    id_list,
 )
 from worker_client.exceptions import EngineError
 from worker_client.policy import POLICY_VERSION
@@ -112,7 +113,7 @@ class VerlEngine:
         check_prompt(self._card, prompt_ids)
         try:
             output = await self.client.generate(
-                request_id, prompt_ids=list(prompt_ids), sampling_params=verl_sampling(sampling)
+                request_id, prompt_ids=id_list(prompt_ids), sampling_params=verl_sampling(sampling)
             )
         except EngineError:
             raise

@@ -41,6 +41,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    id_list,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 from worker_client.policy import StagedPath
@@ -211,7 +212,7 @@ class VLLMEngine(StagedPath):
         from vllm.inputs import TokensPrompt
 
         params = to_vllm_sampling(sampling, vllm)
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        prompt = TokensPrompt(prompt_token_ids=id_list(prompt_ids))
         stream = self._llm.generate(prompt, params, request_id)
         try:
             while True:
