@@ -27,6 +27,7 @@ from bench.agents import (
     median,
     percentile,
     run_load,
+    words,
 )
 from bench.processes import Proc, Processes, free_port, wait_http
 
@@ -76,6 +77,15 @@ class Sizes:
     # Growing conversations, one session per agent for all its turns: (agents, turns each).
     history_runs: tuple[tuple[int, int], ...] = ((1, 300), (64, 30))
     history_edge_turns: int = 10  # "the first turns" and "the last turns" compared
+    # One agent whose context is this many characters (a long system prompt, as a large
+    # repository listing or tool output makes it), measured over this many turns after
+    # its first (the first renders the whole context once; it is reported apart).
+    history_large_chars: int = 250_000
+    history_large_turns: int = 60
+    # A py-spy profile of the proxy over the late turns of growing conversations: this
+    # many agents, each grown to the first turn, profiled up to the second.
+    history_profile_agents: int = 16
+    history_profile_turns: tuple[int, int] = (250, 300)
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -103,6 +113,10 @@ class Sizes:
             replica_stream_turns=8,
             history_runs=((1, 12), (4, 4)),
             history_edge_turns=3,
+            history_large_chars=20_000,
+            history_large_turns=4,
+            history_profile_agents=2,
+            history_profile_turns=(4, 8),
         )
 
 
@@ -263,13 +277,75 @@ async def section_history(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
                 "prompt_tokens_last": max((c.prompt_tokens for c in result.calls), default=0),
             }
             rows.append(row)
-            print(
-                f"  {target.kind:8s} {agents}x{turns} turns={row['turns']} "
-                f"err={row['errors']} cpu={row['cpu_ms_per_turn']:.2f}ms/turn "
-                f"p50 first={_fmt(row['p50_first_ms'])}ms last={_fmt(row['p50_last_ms'])}ms",
-                flush=True,
-            )
+            _print_history(row)
+    for target in targets:
+        row = await _large_context(target, serving[target.kind], sizes)
+        rows.append(row)
+        _print_history(row)
     return rows
+
+
+def _print_history(row: dict[str, Any]) -> None:
+    print(
+        f"  {row['target']:8s} {row['agents']}x{row['turns_each']} turns={row['turns']} "
+        f"err={row['errors']} cpu={row['cpu_ms_per_turn']:.2f}ms/turn "
+        f"p50 first={_fmt(row['p50_first_ms'])}ms last={_fmt(row['p50_last_ms'])}ms",
+        flush=True,
+    )
+
+
+async def _large_context(target: Target, procs: list[Proc], sizes: Sizes) -> dict[str, Any]:
+    """One agent whose context starts at ``history_large_chars`` characters: its first
+    turn (the whole context is new: rendered and tokenized once) is timed apart, then
+    CPU per turn over ``history_large_turns`` more, each adding a tool output and the
+    reply."""
+    turns = sizes.history_large_turns
+    edge = min(sizes.history_edge_turns, max(turns // 2, 1))
+    calls: list[Call] = []
+    errors = 0
+    async with client_session(1) as http:
+        agent = Agent(
+            http,
+            target,
+            seed=7,
+            system_words=60,
+            add_words=40,
+            max_tokens=64,
+            stream=False,
+        )
+        system = ""
+        while len(system) < sizes.history_large_chars:
+            system += words(agent.rng, 1000) + "\n"
+        await agent.new_session(system=system[: sizes.history_large_chars])
+        started = time.perf_counter()
+        first = await agent.turn()
+        first_seconds = time.perf_counter() - started
+        before = [p.cpu_seconds() for p in procs]
+        for _ in range(turns):
+            agent.observe()
+            try:
+                calls.append(await agent.turn())
+            except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
+                errors += 1
+                print(f"  {target.kind}: {exc}", flush=True)
+                break
+    cpu = sum(p.cpu_seconds() - b for p, b in zip(procs, before, strict=True))
+    early = [c.seconds * 1e3 for c in calls[:edge]]
+    late = [c.seconds * 1e3 for c in calls[-edge:]]
+    return {
+        "target": target.kind,
+        "agents": 1,
+        "turns_each": turns,
+        "context_chars": sizes.history_large_chars,
+        "turns": len(calls),
+        "errors": errors,
+        "cpu_ms_per_turn": cpu / max(len(calls), 1) * 1e3,
+        "turns_per_s": len(calls) / sum(c.seconds for c in calls) if calls else 0.0,
+        "first_turn_ms": first_seconds * 1e3,
+        "p50_first_ms": median(early) if early else None,
+        "p50_last_ms": median(late) if late else None,
+        "prompt_tokens_last": max((c.prompt_tokens for c in [first, *calls]), default=0),
+    }
 
 
 async def _proxy_load(proxy: Proc, **load: Any) -> tuple[LoadResult, float]:
@@ -552,6 +628,59 @@ async def section_memory(stack: Stack, sizes: Sizes, tpw: float) -> dict[str, An
     return out
 
 
+async def section_history_profile(stack: Stack, sizes: Sizes, out_dir: Path) -> dict[str, Any]:
+    """A py-spy profile of the proxy over the late turns of growing conversations: each
+    of ``history_profile_agents`` agents (one session each) is grown to the first of
+    ``history_profile_turns`` unprofiled, then all run to the second while py-spy
+    records (what a turn costs once the history is long)."""
+    grown, last = sizes.history_profile_turns
+    raw = out_dir / "proxy-profile-history.txt"
+    target = Target("proxy", stack.proxy.url)
+    agents: list[Agent] = []
+    async with client_session(sizes.history_profile_agents) as http:
+
+        async def run(agent: Agent, turns: int) -> None:
+            for _ in range(turns):
+                if agent.turns:
+                    agent.observe()
+                await agent.turn()
+
+        for index in range(sizes.history_profile_agents):
+            agent = Agent(
+                http,
+                target,
+                seed=1000 + index,
+                system_words=60,
+                add_words=40,
+                max_tokens=64,
+                stream=False,
+            )
+            await agent.new_session()
+            agents.append(agent)
+        await asyncio.gather(*(run(a, grown) for a in agents))
+        spy_proc = _start_py_spy(stack.proxy.popen.pid, raw)
+        if spy_proc is None:
+            return {"error": "py-spy is not installed (pip install py-spy)"}
+        await asyncio.sleep(1.0)  # let py-spy attach
+        await asyncio.gather(*(run(a, last - grown) for a in agents))
+    spy_proc.send_signal(signal.SIGINT)
+    try:
+        _, err = spy_proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy_proc.kill()
+        err = b"timeout"
+    if not raw.is_file():
+        return {"error": f"py-spy failed: {err.decode(errors='replace')[-300:]}"}
+    return {
+        "raw": str(raw),
+        "turns": (last - grown) * len(agents),
+        "concurrency": len(agents),
+        "history_turns": [grown, last],
+        "messages_last": len(agents[0].messages),
+        "top": summarize_profile(raw),
+    }
+
+
 async def section_profile(
     stack: Stack,
     sizes: Sizes,
@@ -817,6 +946,8 @@ async def run(
         if "profile" in sections:
             print("profile", flush=True)
             results["profile"] = await section_profile(stack, sizes, out_dir)
+            if "history" in sections:
+                results["history_profile"] = await section_history_profile(stack, sizes, out_dir)
             if "stream" in sections:
                 results["stream_profile"] = await section_profile(stack, sizes, out_dir, paced=True)
             save(results)

@@ -178,22 +178,35 @@ def history_table(rows: list[dict[str, Any]]) -> str:
         "| agents × turns | target | turns | errors | CPU ms/turn | × bare upstream | LiteLLM ÷ this | p50 first turns (ms) | p50 last turns (ms) | last ÷ first | prompt tokens at the end |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    runs: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    runs: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
-        runs.setdefault((r["agents"], r["turns_each"]), {})[r["target"]] = r
-    for (agents, turns), by_target in runs.items():
+        runs.setdefault((r["agents"], r["turns_each"], r.get("context_chars", 0)), {})[
+            r["target"]
+        ] = r
+    for (agents, turns, chars), by_target in runs.items():
         bare = by_target.get("direct", {}).get("cpu_ms_per_turn")
         litellm = by_target.get("litellm", {}).get("cpu_ms_per_turn")
+        run = f"{agents} × {turns}" + (f", {chars // 1000}k-character context" if chars else "")
         for r in by_target.values():
             cpu = r["cpu_ms_per_turn"]
             first, last = r["p50_first_ms"], r["p50_last_ms"]
             lines.append(
-                f"| {agents} × {turns} | {r['target']} | {r['turns']} | {r['errors']} | "
+                f"| {run} | {r['target']} | {r['turns']} | {r['errors']} | "
                 f"{cpu:.2f} | {_f(cpu / bare if bare else None)} | "
                 f"{_f(litellm / cpu if litellm and cpu else None)} | {_f(first)} | "
                 f"{_f(last)} | {_f(last / first if first and last else None)} | "
                 f"{r['prompt_tokens_last']} |"
             )
+    large = [r for r in rows if r.get("context_chars")]
+    if large:
+        lines += [
+            "",
+            "The large-context rows start the session with one request of that many "
+            "characters; its first turn (rendering the whole context once) is not in the "
+            "CPU figure: "
+            + ", ".join(f"{r['target']} {r['first_turn_ms']:.0f} ms" for r in large)
+            + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -257,9 +270,19 @@ def profile_table(p: dict[str, Any]) -> str:
     if "error" in p:
         return f"Profile not taken: {p['error']}"
     pace = " at an engine's pace" if p.get("paced") else ""
+    if "history_turns" in p:
+        grown, last = p["history_turns"]
+        what = (
+            f"{p['turns']} whole turns, turns {grown}-{last} of {p['concurrency']} growing "
+            f"conversations ({p['messages_last']} messages in the last request)"
+        )
+    else:
+        what = (
+            f"{p['turns']} streamed turns{pace} of {p.get('tokens_per_turn', '?')} tokens "
+            f"at concurrency {p['concurrency']}"
+        )
     lines = [
-        f"py-spy, the proxy's event-loop thread, {p['turns']} streamed turns{pace} of "
-        f"{p.get('tokens_per_turn', '?')} tokens at concurrency {p['concurrency']} "
+        f"py-spy, the proxy's event-loop thread, {what} "
         f"(raw stacks of every thread: `{Path(p['raw']).name}`).",
         "",
         "| function (file) | self % | total % |",
@@ -395,6 +418,13 @@ def render(
         ]
     if "history" in results:
         parts += ["## Growing conversations", "", history_table(results["history"]), ""]
+    if "history_profile" in results:
+        parts += [
+            "### Where a late turn goes",
+            "",
+            profile_table(results["history_profile"]),
+            "",
+        ]
     if "stream" in results:
         parts += ["## Streams at an engine's pace", "", stream_table(results["stream"]), ""]
     if "context" in results:

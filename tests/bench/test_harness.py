@@ -79,9 +79,9 @@ def test_growing_conversations_keep_one_session_per_agent(results: dict[str, obj
     sizes = Sizes.quick()
     rows = results["history"]
     assert isinstance(rows, list)
-    assert {(r["target"], r["agents"], r["turns_each"]) for r in rows} == {
-        (t, a, n) for t in ("direct", "proxy") for a, n in sizes.history_runs
-    }
+    assert {(r["target"], r["agents"], r["turns_each"], r.get("context_chars")) for r in rows} == {
+        (t, a, n, None) for t in ("direct", "proxy") for a, n in sizes.history_runs
+    } | {(t, 1, sizes.history_large_turns, sizes.history_large_chars) for t in ("direct", "proxy")}
     for row in rows:
         assert row["errors"] == 0
         assert row["turns"] == row["agents"] * row["turns_each"]
@@ -91,7 +91,13 @@ def test_growing_conversations_keep_one_session_per_agent(results: dict[str, obj
     proxy = [r for r in rows if r["target"] == "proxy"]
     # A history two messages longer each turn: the last prompt is far longer than a
     # first one (60 system + 40 user words, ~1.3 tokens a word on the tiny vocabulary).
-    assert all(r["prompt_tokens_last"] > 60 * r["turns_each"] for r in proxy)
+    grown = [r for r in proxy if not r.get("context_chars")]
+    assert all(r["prompt_tokens_last"] > 60 * r["turns_each"] for r in grown)
+    # The large context is in every prompt (at least a token per 8 characters), and its
+    # first turn, timed apart, rendered all of it.
+    (large,) = [r for r in proxy if r.get("context_chars")]
+    assert large["prompt_tokens_last"] > sizes.history_large_chars / 8
+    assert large["first_turn_ms"] > 0
 
 
 def test_long_context_turns_continue_the_session(results: dict[str, object]) -> None:
