@@ -31,7 +31,9 @@ MEMORY = 4
 
 @dataclass(slots=True, frozen=True)
 class _Parsed:
+    api: str  # whose conversion made the messages (each API reads a message its own way)
     raws: list[object]  # each message's JSON text as received (bytes-like, comparable)
+    ends: list[int]  # ends[k]: how many internal messages raws[:k] made
     messages: list[ChatMessage]
 
 
@@ -87,22 +89,46 @@ class HistoryMemory:
         self._keyed: tuple[_Keyed, ...] = ()
 
     def messages(
-        self, raws: list[object], convert: Callable[[object, int], ChatMessage]
+        self,
+        raws: list[object],
+        convert: Callable[[object, int], ChatMessage],
+        *,
+        api: str = "openai.chat",
     ) -> list[ChatMessage]:
-        """The internal messages of a request whose messages' JSON texts are ``raws``:
-        those it shares with a remembered history are reused, ``convert(raw, index)``
-        makes the rest (and raises for one that is invalid; nothing is remembered
-        then)."""
+        """The internal messages of a request whose messages' JSON texts are ``raws``,
+        one for each: those it shares with a remembered history are reused,
+        ``convert(raw, index)`` makes the rest (and raises for one that is invalid;
+        nothing is remembered then)."""
+        return self.expand(raws, lambda raw, index: (convert(raw, index),), api=api)
+
+    def expand(
+        self,
+        raws: list[object],
+        convert: Callable[[object, int], Sequence[ChatMessage]],
+        *,
+        api: str,
+    ) -> list[ChatMessage]:
+        """``messages`` for an API whose message may make several internal ones (an
+        Anthropic user message with tool results)."""
         best: _Parsed | None = None
         shared = 0
         for chain in self._parsed:
+            if chain.api != api:
+                continue
             n = shared_prefix(chain.raws, raws)
             if n > shared or best is None:
                 best, shared = chain, n
-        messages = best.messages[:shared] if best is not None else []
-        messages.extend(convert(raws[i], i) for i in range(shared, len(raws)))
+        if best is not None:
+            ends = best.ends[: shared + 1]
+            messages = best.messages[: ends[-1]]
+        else:
+            ends, messages = [0], []
+        for index in range(shared, len(raws)):
+            messages.extend(convert(raws[index], index))
+            ends.append(len(messages))
         grew_from = best if best is not None and shared == len(best.raws) else None
-        self._parsed = _remember(self._parsed, _Parsed(raws, messages), grew_from)
+        chain = _Parsed(api, raws, ends, messages)
+        self._parsed = _remember(self._parsed, chain, grew_from)
         return list(messages)
 
     def keys(self, tools: Sequence[Tool], messages: Sequence[ChatMessage]) -> list[bytes]:

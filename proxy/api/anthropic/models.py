@@ -31,6 +31,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.api.bodies import MessageBody
+from proxy.api.errors import parse_json
+from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage, Tool, ToolCall
 from proxy.exceptions import BadRequestError
 from proxy.sampling import AgentSampling
@@ -188,31 +191,32 @@ def _assistant_message(
     )
 
 
-class ConversationRequest(_Lenient):
-    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share."""
+def internal_message(message: MessageIn, i: int, signed: SignatureCheck) -> list[ChatMessage]:
+    """The internal messages of the conversation's message ``i``; ``signed`` checks the
+    signatures of thinking blocks."""
+    where = f"messages.{i}.content"
+    if message.role == "user":
+        return _user_messages(message.content, where)
+    if message.role == "assistant":
+        return [_assistant_message(message.content, where, signed)]
+    return [ChatMessage(role="system", content=_joined_text(message.content, where))]
+
+
+class ConversationFields(_Lenient):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share, but the messages
+    (validated one by one: ``proxy.api.bodies``)."""
 
     model: str = Field(min_length=1)
-    messages: list[MessageIn] = Field(min_length=1)
     system: str | list[ContentBlock] | None = None
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
 
-    def internal_messages(self, signed: SignatureCheck) -> list[ChatMessage]:
-        """The conversation; ``signed`` checks the signatures of thinking blocks."""
-        out: list[ChatMessage] = []
-        if self.system is not None:
-            system = _joined_text(self.system, "system")
-            if system:
-                out.append(ChatMessage(role="system", content=system))
-        for i, message in enumerate(self.messages):
-            where = f"messages.{i}.content"
-            if message.role == "user":
-                out.extend(_user_messages(message.content, where))
-            elif message.role == "assistant":
-                out.append(_assistant_message(message.content, where, signed))
-            else:
-                out.append(ChatMessage(role="system", content=_joined_text(message.content, where)))
-        return out
+    def system_messages(self) -> list[ChatMessage]:
+        """The system prompt, as the conversation's first message (if it has text)."""
+        if self.system is None:
+            return []
+        system = _joined_text(self.system, "system")
+        return [ChatMessage(role="system", content=system)] if system else []
 
     def internal_tools(self) -> list[Tool]:
         tools: list[Tool] = []
@@ -247,7 +251,21 @@ class ConversationRequest(_Lenient):
         return choice.name
 
 
-class MessagesRequest(ConversationRequest):
+class ConversationRequest(ConversationFields):
+    """The whole request validated in one piece: what names the error of a body that
+    does not come apart."""
+
+    messages: list[MessageIn] = Field(min_length=1)
+
+    def internal_messages(self, signed: SignatureCheck) -> list[ChatMessage]:
+        """The conversation; ``signed`` checks the signatures of thinking blocks."""
+        out = self.system_messages()
+        for i, message in enumerate(self.messages):
+            out.extend(internal_message(message, i, signed))
+        return out
+
+
+class MessagesFields(ConversationFields):
     # Required by Anthropic; a missing one leaves the proxy's caps in charge.
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -269,5 +287,25 @@ class MessagesRequest(ConversationRequest):
         return tuple(self.stop_sequences or ())
 
 
+class MessagesRequest(MessagesFields, ConversationRequest):
+    """A whole ``/v1/messages`` request."""
+
+
 class CountTokensRequest(ConversationRequest):
     pass
+
+
+_BODY = MessageBody("anthropic.messages", MessagesFields, MessageIn)
+
+
+def parse_messages_request(
+    body: bytes, memory: HistoryMemory, signed: SignatureCheck
+) -> tuple[MessagesFields, list[ChatMessage]]:
+    """A ``/v1/messages`` body's fields and its conversation, validating and converting
+    only the messages ``memory`` has not seen (``proxy.api.bodies``)."""
+    split = _BODY.parse(body, memory, lambda message, i: internal_message(message, i, signed))
+    if split is None:
+        whole = parse_json(MessagesRequest, body)
+        return whole, whole.internal_messages(signed)
+    fields, messages = split
+    return fields, [*fields.system_messages(), *messages]

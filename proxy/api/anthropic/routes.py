@@ -19,7 +19,11 @@ from typing import Any
 from aiohttp import web
 
 from proxy.api.anthropic.errors import anthropic_error, error_body
-from proxy.api.anthropic.models import CountTokensRequest, MessagesRequest, SignatureCheck
+from proxy.api.anthropic.models import (
+    CountTokensRequest,
+    SignatureCheck,
+    parse_messages_request,
+)
 from proxy.api.anthropic.thinking import sign_thinking, thinking_signed
 from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import json_response, parse_json, register_error_format
@@ -116,11 +120,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     session = _session(request)
     session.require_active()
     body = await request.read()
-    parsed = parse_json(MessagesRequest, body)
+    parsed, messages = parse_messages_request(body, session.history, signature_check(session))
     turn = TurnRequest(
         api="anthropic.messages",
         requested_model=parsed.model,
-        messages=parsed.internal_messages(signature_check(session)),
+        messages=messages,
         tools=parsed.internal_tools(),
         sampling=parsed.sampling(),
         stop=parsed.stop_strings(),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, cast
 
-import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from proxy.api.errors import parse_json, validation_message
+from proxy.api.bodies import MessageBody
+from proxy.api.errors import parse_json
 from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage, Tool, ToolCall
 from proxy.exceptions import BadRequestError
@@ -178,50 +178,19 @@ class ChatCompletionRequest(ChatCompletionFields):
         return [m.to_internal(i) for i, m in enumerate(self.messages)]
 
 
-# The body taken apart in one scan in C: each message's JSON text (no Python object per
-# message), and the text of each other field the request model reads (the rest is
-# ignored, as the model ignores it).
-_FIELDS = tuple(ChatCompletionFields.model_fields)
-_Parts = msgspec.defstruct(
-    "_Parts",
-    [("messages", list[msgspec.Raw])]
-    + [(name, msgspec.Raw | msgspec.UnsetType, msgspec.UNSET) for name in _FIELDS],
-)
-_PARTS = msgspec.json.Decoder(_Parts)
+_BODY = MessageBody("openai.chat", ChatCompletionFields, MessageIn)
 
 
 def parse_chat_completion(
     body: bytes, memory: HistoryMemory
 ) -> tuple[ChatCompletionFields, list[ChatMessage]]:
-    """A chat completion body's fields and internal messages.
-
-    An agent resends its whole history every turn: the messages it shares, byte for byte,
-    with a history ``memory`` holds are taken from there, and only the rest are validated
-    and converted. A body that does not come apart (not JSON, no message list) is
-    validated whole, which names its error as before."""
-    try:
-        parts = _PARTS.decode(body)
-    except msgspec.DecodeError:
-        parts = None
-    items: list[object] = getattr(parts, "messages", [])
-    if not items:
-        whole = parse_json(ChatCompletionRequest, body)
-        return whole, whole.internal_messages()
-    given = {name: getattr(parts, name) for name in _FIELDS}
-    rest = {name: text for name, text in given.items() if text is not msgspec.UNSET}
-    fields = parse_json(ChatCompletionFields, msgspec.json.encode(rest))
-    return fields, memory.messages(items, _message)
-
-
-def _message(raw: object, index: int) -> ChatMessage:
-    assert isinstance(raw, msgspec.Raw)
-    try:
-        message = MessageIn.model_validate_json(bytes(raw))
-    except ValidationError as exc:
-        raise BadRequestError(
-            validation_message(exc, at=("messages", index)), code="invalid_request"
-        ) from None
-    return message.to_internal(index)
+    """A chat completion body's fields and internal messages, validating and converting
+    only the messages ``memory`` has not seen (``proxy.api.bodies``)."""
+    split = _BODY.parse(body, memory, lambda message, index: (message.to_internal(index),))
+    if split is not None:
+        return split
+    whole = parse_json(ChatCompletionRequest, body)
+    return whole, whole.internal_messages()
 
 
 class CompletionRequest(_Lenient):
