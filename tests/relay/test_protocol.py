@@ -47,14 +47,15 @@ def test_every_message_round_trips() -> None:
     sampling = protocol.Sampling(
         max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=4, stop_token_ids=[2]
     )
-    for message in [
+    proxy_messages: list[protocol.ProxyMessage] = [
         protocol.Generate("r1", "tiny", protocol.pack_ids([1, 2]), sampling),
         protocol.Cancel("r1"),
         protocol.Welcome(1, 5.0),
         protocol.Ping(7),
-    ]:
+    ]
+    for message in proxy_messages:
         assert protocol.decode_proxy_message(protocol.encode(message)) == message
-    for wmessage in [
+    worker_messages: list[protocol.WorkerMessage] = [
         _hello(),
         protocol.Delta("r1", protocol.pack_ids([3]), protocol.pack_logprobs([-0.5])),
         protocol.Done("r1", "stop", b"", b"", {"policy_version": 3}),
@@ -67,7 +68,8 @@ def test_every_message_round_trips() -> None:
             ]
         ),
         protocol.Pong(7),
-    ]:
+    ]
+    for wmessage in worker_messages:
         assert protocol.decode_worker_message(protocol.encode(wmessage)) == wmessage
 
 
@@ -392,3 +394,21 @@ def test_a_version_2_peer_neither_gets_nor_sends_weight_updates() -> None:
     # Requests still flow.
     worker.receive(proxy.generate(protocol.Generate("r1", "t", b"", protocol.Sampling(1))))
     assert proxy.in_flight == {"r1"}
+
+
+def test_packed_ids_unpack_to_an_int32_array() -> None:
+    """unpack_id_array gives back the ids packed, as an int32 array, and refuses a length
+    that is not a multiple of 4."""
+    from array import array
+
+    ids = [0, 1, 151_643, 2**31 - 1, -(2**31)]
+    packed = protocol.pack_ids(ids)
+    back = protocol.unpack_id_array(packed)
+    assert isinstance(back, array)
+    assert back.typecode == "i"
+    assert back.tolist() == ids
+    assert protocol.pack_ids(back) == packed
+    assert protocol.unpack_id_array(b"").tolist() == []
+    for length in (1, 2, 3, 5, 7):
+        with pytest.raises(FrameError):
+            protocol.unpack_id_array(packed[:length])

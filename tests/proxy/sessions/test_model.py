@@ -188,3 +188,77 @@ def test_node_versions_cover_the_whole_completion_or_fall_back() -> None:
     empty = _add(s, None, [2], [], b"b")
     empty.meta.versions = []
     assert node_versions(empty) == []
+
+
+def _tree() -> Session:
+    """Turns 0-1-2-3 in a line, 4 and 5 branching off 1, 6 off 4, and a second root 7."""
+    s = Session(TrialId("t"), "k")
+    shape: list[int | None] = [None, 0, 1, 2, 1, 1, 4, None]
+    for i, parent in enumerate(shape):
+        _add(
+            s,
+            parent,
+            [100 * i + j for j in range(i % 3 + 1)],
+            [100 * i + 50, 100 * i + 51],
+            b"%d" % i,
+        )
+    return s
+
+
+def _gathered(s: Session, index: int) -> list[int]:
+    return [t for node in s.path(index) for t in (*node.context_ids, *node.completion_ids)]
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        [0, 1, 2, 3],  # each child after its parent
+        [1, 4, 6, 5, 2],  # a child, a grandchild, then siblings
+        [4, 5, 4, 5, 2],  # sibling after sibling
+        [6, 0, 6, 7, 1],  # a leaf, then the root, another root
+        [3, 3, 3, 2, 3, 7, 0, 1],  # repeated, and back to the child of the kept one
+    ],
+)
+def test_context_ids_is_the_path_concatenated_in_any_order(order: list[int]) -> None:
+    """Whichever turn was built last, a turn's context is its path's tokens; and the
+    array returned is the caller's to extend."""
+    s = _tree()
+    for index in [*order, *range(len(s.nodes))]:
+        ids = s.context_ids(index)
+        assert ids.tolist() == _gathered(s, index), index
+        ids.extend([-1, -2])  # what plan_turn does with a continuation's context
+        ids[0] = -3
+    for index in range(len(s.nodes)):
+        assert s.context_ids(index).tolist() == _gathered(s, index)
+
+
+def test_stored_tokens_is_kept_as_turns_are_added() -> None:
+    """After every turn, the session's stored-token count is the sum over its turns."""
+    s = Session(TrialId("t"), "k")
+    assert s.stored_tokens == 0
+    for i, parent in enumerate([None, 0, 1, 0, None, 4]):
+        _add(s, parent, list(range(i + 2)), list(range(i * 2)), b"%d" % i)
+        assert s.stored_tokens == sum(len(n.context_ids) + len(n.completion_ids) for n in s.nodes)
+    assert s.summary("http://x/t/v1")["tokens"]["stored"] == s.stored_tokens
+
+
+def test_completing_a_session_drops_its_memory() -> None:
+    """A completed session keeps neither its recent histories nor its last context."""
+    s = Session(TrialId("t"), "k")
+    _add(s, None, [1, 2], [3], b"a")
+    s.context_ids(0)
+    raws: list[object] = [b"one", b"two"]
+    converted: list[int] = []
+
+    def convert(raw: object, index: int) -> ChatMessage:
+        converted.append(index)
+        return ChatMessage("user", str(raw))
+
+    s.history.messages(raws, convert)
+    s.history.messages(raws, convert)
+    assert converted == [0, 1]  # remembered while active
+    assert s.last_context is not None
+    s.transition(SessionState.COMPLETED)
+    assert s.last_context is None
+    s.history.messages(raws, convert)
+    assert converted == [0, 1, 0, 1]  # forgotten
