@@ -41,7 +41,7 @@ from proxy.limits import Limits, check_message_count, session_token_room
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
-from proxy.sessions.accounting import plan_raw_prompt, plan_turn, raw_prompt_key
+from proxy.sessions.accounting import locate, plan_raw_prompt, plan_turn, raw_prompt_key
 from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
 from proxy.sessions.options import CapFinish
 from proxy.sessions.retries import RetryAction, RetryMarks, decide
@@ -233,12 +233,15 @@ class TurnService:
         renderer = served.renderer
         if request.prompt_ids is not None:
             plan = plan_raw_prompt(session, request.prompt_ids)
-        elif _large(request.messages):
-            plan = await asyncio.to_thread(
-                plan_turn, session, renderer, request.messages, request.tools
-            )
         else:
-            plan = plan_turn(session, renderer, request.messages, request.tools)
+            messages, tools = request.messages, request.tools
+            located = locate(session, messages, tools)
+            if _large(messages[located.rendered(session) :]):
+                plan = await asyncio.to_thread(
+                    plan_turn, session, renderer, messages, tools, located
+                )
+            else:
+                plan = plan_turn(session, renderer, messages, tools, located)
         room = session_token_room(self.limits, session.stored_tokens, len(plan.context_ids))
         sampling = resolve_sampling(
             request.sampling,
@@ -854,6 +857,5 @@ def _with_reasoning(messages: Sequence[ChatMessage]) -> int:
 
 
 def _large(messages: Sequence[ChatMessage]) -> bool:
-    """Big renders go to a thread so they do not stall other sessions' streams. (The
-    sum runs in C: a long history costs a few microseconds here.)"""
+    """Big renders go to a thread so they do not stall other sessions' streams."""
     return sum(map(len, map(_CONTENT, messages))) > 200_000

@@ -3,9 +3,11 @@
 An agent resends its whole history with every request. The body is scanned once by
 msgspec, in C: each message's JSON text is kept as it is (no Python object per message),
 and so is each other field the API's model reads. The other fields are validated by that
-model; the messages one by one, and only those the session's ``HistoryMemory`` has not
-seen before, byte for byte. A body that does not come apart this way (not JSON, not an
-object, no message list) is for the caller to validate whole, which names its error.
+model; the messages one by one, in order, and only those the session's ``HistoryMemory``
+has not seen before, byte for byte (an error names the first bad message; a whole-body
+validation could name a later one first). A body that does not come apart this way (not
+JSON, not an object, no message list) is for the caller to validate whole, which names
+its error.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class MessageBody(Generic[FieldsT, MessageT]):
             try:
                 validated = self.message.model_validate_json(bytes(raw))
             except ValidationError as exc:
+                if exc.errors()[0]["type"] == "json_invalid":  # msgspec left its text as is
+                    raise BadRequestError(
+                        "the request body is not valid JSON", code="invalid_json"
+                    ) from None
                 raise BadRequestError(
                     validation_message(exc, at=("messages", index)), code="invalid_request"
                 ) from None

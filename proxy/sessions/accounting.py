@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from proxy.chat.messages import ChatMessage, Tool
 from proxy.chat.renderer import ChatRenderer, NotPrefixStableError
@@ -16,14 +17,36 @@ from proxy.sessions.model import PromptPlan, Session
 from proxy.sessions.options import HistoryPolicy
 
 
+@dataclass(slots=True, frozen=True)
+class Located:
+    """Which context a request continues, before anything is rendered."""
+
+    keys: list[bytes]  # keys[k]: the context of the tools and the first k messages
+    found: tuple[int, int] | None  # (the turn continued, how many messages it covers)
+
+    def rendered(self, session: Session) -> int:
+        """The index of the first message the plan will render: a continuation renders
+        from the returned message on, anything else the whole conversation."""
+        if self.found is None or session.options.history is HistoryPolicy.TEMPLATE:
+            return 0
+        return self.found[1] - 1
+
+
+def locate(session: Session, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> Located:
+    keys = session.history.keys(tools, messages)
+    return Located(keys, session.find_continuation(keys))
+
+
 def plan_turn(
     session: Session,
     renderer: ChatRenderer,
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool],
+    located: Located | None = None,
 ) -> PromptPlan:
-    keys = session.history.keys(tools, messages)
-    found = session.find_continuation(keys)
+    if located is None:
+        located = locate(session, messages, tools)
+    keys, found = located.keys, located.found
     reason = "new_session" if not session.nodes else "new_branch"
     variables = session.options.chat_template_kwargs
     if found is not None and session.options.history is HistoryPolicy.TEMPLATE:
