@@ -4,6 +4,7 @@ from scratch, with only what is new converted and hashed."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -287,3 +288,52 @@ def test_shared_prefix_equals_a_naive_loop(common: list[int], tail: list[int], c
     new = common[:cut] + tail[::-1]
     assert shared_prefix(old, new) == _naive_shared(old, new)
     assert shared_prefix(new, old) == _naive_shared(new, old)
+
+
+def _expanding(calls: list[int]) -> Callable[[object, int], list[ChatMessage]]:
+    """A conversion that makes 0, 1 or 2 internal messages from a raw (as an Anthropic
+    user message with tool results makes several), counting its calls."""
+
+    def convert(raw: object, index: int) -> list[ChatMessage]:
+        calls.append(index)
+        assert isinstance(raw, msgspec.Raw)
+        text = bytes(raw).decode()
+        return [ChatMessage("user", f"{text}/{k}") for k in range(len(text) % 3)]
+
+    return convert
+
+
+def test_expand_equals_converting_from_scratch_and_converts_only_new_raws() -> None:
+    """Raws that make several internal messages (or none): the result is the whole
+    conversion concatenated, and a grown or forked history converts only past the fork."""
+    memory = HistoryMemory()
+    calls: list[int] = []
+    convert = _expanding(calls)
+    raws = [msgspec.Raw(f"m{'x' * i}".encode()) for i in range(12)]
+
+    def scratch(items: list[object]) -> list[ChatMessage]:
+        return [m for i, r in enumerate(items) for m in convert(r, i)]
+
+    for end, fork in ((6, None), (12, None), (9, 4)):
+        items: list[object] = list(raws[:end])
+        if fork is not None:
+            items[fork] = msgspec.Raw(b"changed")
+        calls.clear()
+        got = memory.expand(items, convert, api="a")
+        converted = list(calls)
+        calls.clear()
+        assert got == scratch(items)
+        first_new = {6: 0, 12: 6, 9: 4}[end]
+        assert converted == list(range(first_new, end))
+
+
+def test_expand_keeps_each_apis_conversions_apart() -> None:
+    """The same raws under another API are converted by that API's conversion, never
+    taken from what the first API made of them."""
+    memory = HistoryMemory()
+    raws: list[object] = [msgspec.Raw(b'{"role":"user","content":"hi"}')]
+    memory.expand(raws, lambda raw, i: [ChatMessage("user", "one way")], api="a")
+    other = memory.expand(raws, lambda raw, i: [ChatMessage("system", "another")], api="b")
+    assert other == [ChatMessage("system", "another")]
+    again = memory.expand(raws, lambda raw, i: pytest.fail("converted again"), api="a")
+    assert again == [ChatMessage("user", "one way")]
