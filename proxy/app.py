@@ -11,6 +11,7 @@ from proxy.api.errors import error_middleware, json_response
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
+from proxy.chat import history
 from proxy.cluster import forward_middleware, setup_cluster
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
@@ -78,6 +79,7 @@ def build_app(config: ProxyConfig) -> web.Application:
         max_session_tokens=config.max_session_tokens,
         max_sessions=config.max_sessions,
     )
+    history.BUDGET.limit = config.history_memory_mb * 2**20
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
     metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]))
     app[SERVICE].metrics = metrics

@@ -136,6 +136,14 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=limits.max_sessions,
         help="sessions held at once (registered and not deleted; 0: no limit)",
     )
+    parser.add_argument(
+        "--history-memory-mb",
+        type=int,
+        default=limits.history_memory_mb,
+        help="what the sessions' memories of their recent histories hold together, at most "
+        "(MiB; the least recently used are dropped first, their next turn parses its whole "
+        "history once)",
+    )
 
 
 def _config(
@@ -157,6 +165,7 @@ def _config(
         max_messages=args.max_messages,
         max_session_tokens=args.max_session_tokens,
         max_sessions=args.max_sessions,
+        history_memory_mb=args.history_memory_mb,
         tool_parser=args.tool_parser,
         stream_interval=args.stream_interval,
         max_in_flight=args.max_in_flight,

@@ -31,6 +31,9 @@ class ProxyConfig:
     max_messages: int = 10_000
     max_session_tokens: int = 16 * 1024 * 1024
     max_sessions: int = 100_000
+    # What the sessions' history memories hold together, at most (MiB): the histories
+    # lately sent, which let a turn parse and hash only its new messages.
+    history_memory_mb: int = 512
     tool_parser: str | None = None
     # Tokens per streamed event at least (the first event goes out at once and the last
     # takes what is left): 1 streams every engine step; more trades how often an agent

@@ -18,9 +18,12 @@ not this memory, decide which turn a request continues.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import operator
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from proxy.chat.messages import ChatMessage, Tool, extend_key, root_key
 
@@ -78,15 +81,74 @@ def _remember(
     return tuple(kept)
 
 
+# What remembering a message costs beyond its JSON text and its content (counted apart):
+# the internal message, its raw view, its key and the lists' slots (with both, about
+# what tracemalloc measures: 3x the body for chat messages of 250 characters).
+_PER_MESSAGE = 300
+_CONTENT = operator.attrgetter("content")
+
+
+class MemoryBudget:
+    """Bounds what the history memories of all sessions hold together: past ``limit``
+    bytes (an estimate: the messages' JSON text and content plus ``_PER_MESSAGE`` each), the
+    memories used least recently are emptied (their sessions' next requests are parsed
+    and hashed whole, once, as without a memory)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.dropped = 0  # memories emptied to stay within the limit
+        self._sizes: OrderedDict[int, tuple[weakref.ref[HistoryMemory], int]] = OrderedDict()
+
+    def charge(self, memory: HistoryMemory, size: int) -> None:
+        """``memory`` now holds ``size`` bytes and was just used."""
+        key = id(memory)
+        old = self._sizes.pop(key, None)
+        if old is not None:
+            self.used -= old[1]
+        # A memory whose session is gone stays counted until it is the oldest.
+        self._sizes[key] = (weakref.ref(memory), size)
+        self.used += size
+        while self.used > self.limit and len(self._sizes) > 1:
+            _, (ref, held) = self._sizes.popitem(last=False)
+            self.used -= held
+            self.dropped += 1
+            dropped = ref()
+            if dropped is not None:
+                dropped.forget()
+
+    def release(self, memory: HistoryMemory) -> None:
+        old = self._sizes.pop(id(memory), None)
+        if old is not None:
+            self.used -= old[1]
+
+
+# Shared by every session of the process (``rollout-relay proxy --history-memory-mb``).
+BUDGET = MemoryBudget(512 * 2**20)
+
+
 class HistoryMemory:
     """The recent histories of one session. The memory is replaced whole, never changed
-    in place, so a render running in a thread and the event loop may share it."""
+    in place, so a render running in a thread and the event loop may share it. What all
+    memories hold together is bounded by ``BUDGET``."""
 
-    __slots__ = ("_keyed", "_parsed")
+    __slots__ = ("__weakref__", "_keyed", "_parsed", "_sizes")
 
     def __init__(self) -> None:
         self._parsed: tuple[_Parsed, ...] = ()
         self._keyed: tuple[_Keyed, ...] = ()
+        self._sizes: dict[int, int] = {}  # bytes each remembered history holds, by id
+
+    def forget(self) -> None:
+        """Empty the memory (the session stopped, or the budget needs the room)."""
+        self._parsed, self._keyed, self._sizes = (), (), {}
+        BUDGET.release(self)
+
+    def _charge(self, chain: _Parsed | _Keyed, size: int) -> None:
+        kept = {id(c) for c in (*self._parsed, *self._keyed)}
+        self._sizes = {k: v for k, v in self._sizes.items() if k in kept}
+        self._sizes[id(chain)] = size
+        BUDGET.charge(self, sum(self._sizes.values()))
 
     def messages(
         self,
@@ -129,6 +191,7 @@ class HistoryMemory:
         grew_from = best if best is not None and shared == len(best.raws) else None
         chain = _Parsed(api, raws, ends, messages)
         self._parsed = _remember(self._parsed, chain, grew_from)
+        self._charge(chain, sum(map(len, cast(list[Sized], raws))) + _PER_MESSAGE * len(raws))
         return list(messages)
 
     def keys(self, tools: Sequence[Tool], messages: Sequence[ChatMessage]) -> list[bytes]:
@@ -151,4 +214,5 @@ class HistoryMemory:
         grew_from = best if best is not None and shared == len(best.messages) else None
         chain = _Keyed(root, history, keys)
         self._keyed = _remember(self._keyed, chain, grew_from)
+        self._charge(chain, sum(map(len, map(_CONTENT, history))))
         return list(keys)

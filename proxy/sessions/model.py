@@ -204,7 +204,7 @@ class Session:
             )
         self.state = state
         self.updated_at = time.time()
-        self.history = HistoryMemory()
+        self.history.forget()
         self.last_context = None
         if state is SessionState.COMPLETED:
             self.completed_at = self.updated_at

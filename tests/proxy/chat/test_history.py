@@ -337,3 +337,49 @@ def test_expand_keeps_each_apis_conversions_apart() -> None:
     assert other == [ChatMessage("system", "another")]
     again = memory.expand(raws, lambda raw, i: pytest.fail("converted again"), api="a")
     assert again == [ChatMessage("user", "one way")]
+
+
+def test_the_budget_empties_the_least_recently_used_memories_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the budget, the memory used longest ago is emptied (its next request converts
+    everything again, with the same result); the one just used keeps its history."""
+    budget = history_module.MemoryBudget(limit=6_000)  # room for one memory of the two
+    monkeypatch.setattr(history_module, "BUDGET", budget)
+    raws: list[object] = [msgspec.Raw(b'"' + b"x" * 1000 + b'"') for _ in range(3)]
+    first, second = HistoryMemory(), HistoryMemory()
+    calls: list[int] = []
+
+    def convert(raw: object, index: int) -> ChatMessage:
+        calls.append(index)
+        return ChatMessage("user", str(index))
+
+    first.messages(raws, convert)
+    second.messages(raws, convert)
+    assert budget.used <= budget.limit
+    first.messages(raws, convert)  # first is now the most recent...
+    calls.clear()
+    assert first.messages(raws, convert) == [ChatMessage("user", str(i)) for i in range(3)]
+    assert calls == []  # ...and kept its history
+    assert budget.dropped >= 1
+    calls.clear()
+    assert second.messages(raws, convert) == [ChatMessage("user", str(i)) for i in range(3)]
+    assert calls == [0, 1, 2]  # emptied: converted again
+
+
+def test_the_budget_counts_a_memory_once_and_forgets_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A memory's charge replaces its previous one, and ``forget`` gives its bytes back."""
+    budget = history_module.MemoryBudget(limit=1 << 30)
+    monkeypatch.setattr(history_module, "BUDGET", budget)
+    memory = HistoryMemory()
+    raws: list[object] = [msgspec.Raw(b'"hello"')]
+    memory.messages(raws, lambda raw, i: ChatMessage("user", "hello"))
+    once = budget.used
+    memory.messages(raws, lambda raw, i: ChatMessage("user", "hello"))
+    assert budget.used == once > 0
+    memory.keys([], [ChatMessage("user", "hello")])
+    assert budget.used > once
+    memory.forget()
+    assert budget.used == 0
