@@ -234,6 +234,10 @@ async def test_a_replica_killed_and_restarted_loses_nothing(
         await _episode(http, on_a, a.url)
         await _episode(http, on_b, b.url)
         before = await client.trajectories(on_b.trial_id)
+        # A reply's delivery is recorded after the reply, so it may still be queued for
+        # b's disk. b writes in order, and a registration is answered once written: when
+        # this one is, the delivery is too (a kill before it may lose that mark only).
+        await client.create_session(_an_id_owned_by(b.url, [a.url, b.url], prefix="sync"))
 
         b.kill()
         # The other replica keeps serving its own; the dead one's trials wait for it.
