@@ -72,7 +72,7 @@ class Sizes:
     # Streams at a pace above what the proxy carries (its CPU used up): how many, how fast
     # each (tokens/s), and how many turns in all (0 streams: no such run).
     stream_saturated: tuple[int, float] = (128, 400.0)
-    stream_saturated_turns: int = 512
+    stream_saturated_turns: int = 2048
     # Every stream run this many times, interleaved (this machine's speed moves).
     stream_rounds: int = 2
     # One proxy against two replicas: agents, turns, and streamed turns of each.
