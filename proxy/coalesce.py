@@ -183,8 +183,8 @@ class StreamCoalescer:
         now; a call that holds is written by a sweep unless it writes them first. The
         state is the one at the last frame's end (no clock read per stream)."""
         if not should_hold(self.state, waiting, self.policy):
-            if self._held:
-                self._held.pop(call, None)
+            if self._held and self._held.pop(call, None) is not None and not self._held:
+                self._disarm()
             return False
         self.stats.holds += 1
         if call not in self._held:
@@ -196,6 +196,12 @@ class StreamCoalescer:
     def _arm(self, delay: float) -> None:
         # Frames usually sweep first: the timer is for streams whose worker went quiet.
         self._timer = asyncio.get_running_loop().call_later(delay, self._timed_sweep)
+
+    def _disarm(self) -> None:
+        """Nothing is held: no timer wakes the loop for nothing."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _timed_sweep(self) -> None:
         self._timer = None
@@ -215,15 +221,15 @@ class StreamCoalescer:
             del self._held[call]
         for call in out:
             self.stats.swept += call.flush()
-        if self._held and self._timer is None:
+        if not self._held:
+            self._disarm()
+        elif self._timer is None:
             first = next(iter(self._held.values()))
             self._arm(max(0.0, first + 2 * self.policy.hold_s - now))
 
     def flush_all(self) -> None:
         """Write what every stream holds now."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
         held, self._held = self._held, {}
         for call in held:
             call.flush()
