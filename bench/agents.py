@@ -126,6 +126,8 @@ class Call:
     turn: int = -1
     # Wall-clock time (Unix seconds) the first content arrived, streamed calls only.
     first_token_wall: float | None = None
+    # Streamed calls: how many events carried content (fewer than tokens when coalesced).
+    content_events: int = 0
 
 
 @dataclass(slots=True)
@@ -235,6 +237,7 @@ class Agent:
         ttft: float | None = None
         first_wall: float | None = None
         usage: dict[str, Any] = {}
+        parts: list[str] = []
         async with self.http.post(
             f"{self.base_url}/chat/completions", data=data, headers=headers
         ) as response:
@@ -246,7 +249,6 @@ class Agent:
                 content = reply["choices"][0]["message"]["content"] or ""
                 usage = reply.get("usage") or {}
             else:
-                parts: list[str] = []
                 async for raw in response.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -276,6 +278,7 @@ class Agent:
             trial_id=self.trial_id,
             turn=self.turns - 1,
             first_token_wall=first_wall,
+            content_events=len(parts) if self.stream else 0,
         )
 
 

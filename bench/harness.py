@@ -70,6 +70,12 @@ class Sizes:
     stream_tokens_per_second: float = 50.0
     # A second proxy streaming in groups of this many tokens (--stream-interval; 0: none).
     stream_grouped_interval: int = 8
+    # Streams at a pace above what the proxy carries (its CPU used up): how many, how fast
+    # each (tokens/s), and how many turns in all (0 streams: no such run).
+    stream_saturated: tuple[int, float] = (128, 400.0)
+    stream_saturated_turns: int = 2048
+    # Every stream run this many times, interleaved (this machine's speed moves).
+    stream_rounds: int = 2
     # One proxy against two replicas: agents, turns, and streamed turns of each.
     replica_concurrency: int = 64
     replica_turns: int = 8192
@@ -108,6 +114,9 @@ class Sizes:
             stream_reply_tokens=8,
             stream_tokens_per_second=200.0,
             stream_grouped_interval=4,
+            stream_saturated=(4, 2000.0),
+            stream_saturated_turns=8,
+            stream_rounds=1,
             replica_concurrency=4,
             replica_turns=12,
             replica_stream_turns=8,
@@ -129,9 +138,11 @@ class Stack:
     paced: Proc | None = None  # an instant worker pacing its tokens (model PACED_MODEL)
     volatile: Proc | None = None  # a second proxy without durability (its own worker)
     grouped: Proc | None = None  # a proxy with --stream-interval (the paced worker's too)
+    stepwise: Proc | None = None  # a proxy with --stream-coalesce off (the paced worker's too)
 
 
 PACED_MODEL = "bench-paced"
+SATURATED_MODEL = "bench-paced-saturated"  # a paced worker as fast as Sizes.stream_saturated
 
 
 def _words_for(tokens: int, tokens_per_word: float) -> int:
@@ -355,59 +366,116 @@ async def _proxy_load(proxy: Proc, **load: Any) -> tuple[LoadResult, float]:
     return result, proxy.cpu_seconds() - before
 
 
+@dataclass(slots=True, frozen=True)
+class _StreamRun:
+    concurrency: int
+    stream: bool
+    mode: str  # "adaptive" (the proxy's default), "step" (--stream-coalesce off), "grouped"
+    saturated: bool = False
+
+
+def _stream_runs(stack: Stack, sizes: Sizes) -> list[_StreamRun]:
+    """One round: per concurrency, its streams through each proxy (and whole replies)
+    side by side, then the saturated streams."""
+    several = {c for c in sizes.stream_concurrencies if c > 1}
+    runs: list[_StreamRun] = []
+    for c in sizes.stream_concurrencies:
+        runs.append(_StreamRun(c, True, "adaptive"))
+        if stack.stepwise is not None:
+            runs.append(_StreamRun(c, True, "step"))
+        if c in several:
+            runs.append(_StreamRun(c, False, "adaptive"))
+            if stack.grouped is not None:
+                runs.append(_StreamRun(c, True, "grouped"))
+    streams = sizes.stream_saturated[0]
+    if streams:
+        runs.append(_StreamRun(streams, True, "adaptive", saturated=True))
+        if stack.stepwise is not None:
+            runs.append(_StreamRun(streams, True, "step", saturated=True))
+        if stack.grouped is not None:
+            runs.append(_StreamRun(streams, True, "grouped", saturated=True))
+    return runs
+
+
 async def section_stream(stack: Stack, sizes: Sizes) -> list[dict[str, Any]]:
     """Streams at an engine's pace (every stream gets a token per engine step, as a
     batching GPU engine produces them; the worker sends a step as one frame): proxy CPU
-    per streamed token, and how long the first token takes from the worker's engine
-    handing it on to the agent reading it. Beside them, at the same pace: whole
-    (non-streamed) replies, which cost the turn without the per-token writes, and
-    streams through a proxy started with ``--stream-interval``."""
-    runs: list[tuple[int, bool, int]] = [(c, True, 1) for c in sizes.stream_concurrencies]
-    several = [c for c in sizes.stream_concurrencies if c > 1]
-    runs += [(c, False, 1) for c in several]
-    if stack.grouped is not None:
-        runs += [(c, True, sizes.stream_grouped_interval) for c in several]
+    per streamed token, tokens per content event, and how long the first token takes
+    from the worker's engine handing it on to the agent reading it. Side by side at the
+    same pace: the proxy's default (adaptive coalescing: every step at once unless its
+    event loop runs behind), a proxy that writes every step however busy
+    (``--stream-coalesce off``), whole (non-streamed) replies, which cost the turn
+    without the per-token writes, and a proxy started with ``--stream-interval``; then
+    the same streams at a pace above what the proxy can carry (saturated)."""
+    proxies = {"adaptive": stack.proxy, "step": stack.stepwise, "grouped": stack.grouped}
     rows: list[dict[str, Any]] = []
-    for concurrency, stream, interval in runs:
-        proxy = stack.proxy if interval == 1 else stack.grouped
-        assert proxy is not None
-        result, cpu = await _proxy_load(
-            proxy,
-            concurrency=concurrency,
-            total_turns=sizes.stream_turns_at[concurrency],
-            turns_per_session=sizes.turns_per_session,
-            stream=stream,
-            max_tokens=sizes.stream_reply_tokens,
-            model=PACED_MODEL,
-        )
-        tokens = sum(c.completion_tokens for c in result.calls)
-        lags = await _first_token_lags(proxy.url, result.calls) if stream else []
-        row: dict[str, Any] = {
-            "concurrency": concurrency,
-            "stream": stream,
-            "interval": interval,
-            "turns": len(result.calls),
-            "errors": result.errors,
-            "first_error": result.first_error,
-            "tokens_per_turn": sizes.stream_reply_tokens,
-            "engine_tokens_per_s": sizes.stream_tokens_per_second,
-            "tokens": tokens,
-            "tokens_per_s": tokens / result.wall_seconds if result.wall_seconds else 0.0,
-            "cpu_us_per_token": cpu / tokens * 1e6 if tokens else None,
-            "cpu_ms_per_turn": cpu / len(result.calls) * 1e3 if result.calls else None,
-            "lag_p50_ms": percentile(lags, 0.5) * 1e3 if lags else None,
-            "lag_p99_ms": percentile(lags, 0.99) * 1e3 if lags else None,
-            "lags": len(lags),
-        }
-        rows.append(row)
-        mode = f"stream/{interval}" if stream else "whole"
-        print(
-            f"  paced c={concurrency:<3d} {mode:9s} turns={row['turns']} err={row['errors']} "
-            f"{row['tokens_per_s']:.0f} tok/s cpu={_fmt(row['cpu_us_per_token'], 0)}us/token "
-            f"first-token lag p50={_fmt(row['lag_p50_ms'])}ms",
-            flush=True,
-        )
+    for round_ in range(sizes.stream_rounds):
+        for run in _stream_runs(stack, sizes):
+            proxy = proxies[run.mode]
+            assert proxy is not None
+            turns = (
+                sizes.stream_saturated_turns
+                if run.saturated
+                else sizes.stream_turns_at[run.concurrency]
+            )
+            result, cpu = await _proxy_load(
+                proxy,
+                concurrency=run.concurrency,
+                total_turns=turns,
+                turns_per_session=sizes.turns_per_session,
+                stream=run.stream,
+                max_tokens=sizes.stream_reply_tokens,
+                model=SATURATED_MODEL if run.saturated else PACED_MODEL,
+            )
+            rows.append(_stream_row(run, round_, result, cpu, sizes))
+            if run.stream:
+                lags = await _first_token_lags(proxy.url, result.calls)
+                rows[-1] |= {
+                    "lag_p50_ms": percentile(lags, 0.5) * 1e3 if lags else None,
+                    "lag_p99_ms": percentile(lags, 0.99) * 1e3 if lags else None,
+                    "lags": len(lags),
+                }
+            row = rows[-1]
+            name = run.mode if run.stream else "whole"
+            print(
+                f"  paced c={run.concurrency:<3d} {'saturated ' if run.saturated else ''}"
+                f"{name:8s} turns={row['turns']} err={row['errors']} "
+                f"{row['tokens_per_s']:.0f} tok/s cpu={_fmt(row['cpu_us_per_token'], 0)}us/token "
+                f"{_fmt(row['tokens_per_event'], 1)} tokens/event "
+                f"first-token lag p50={_fmt(row.get('lag_p50_ms'))}ms",
+                flush=True,
+            )
     return rows
+
+
+def _stream_row(
+    run: _StreamRun, round_: int, result: LoadResult, cpu: float, sizes: Sizes
+) -> dict[str, Any]:
+    tokens = sum(c.completion_tokens for c in result.calls)
+    events = sum(c.content_events for c in result.calls)
+    return {
+        "concurrency": run.concurrency,
+        "stream": run.stream,
+        "mode": run.mode if run.stream else "whole",
+        "interval": sizes.stream_grouped_interval if run.mode == "grouped" else 1,
+        "saturated": run.saturated,
+        "round": round_,
+        "turns": len(result.calls),
+        "errors": result.errors,
+        "first_error": result.first_error,
+        "tokens_per_turn": sizes.stream_reply_tokens,
+        "engine_tokens_per_s": (
+            sizes.stream_saturated[1] if run.saturated else sizes.stream_tokens_per_second
+        ),
+        "tokens": tokens,
+        "tokens_per_s": tokens / result.wall_seconds if result.wall_seconds else 0.0,
+        "tokens_per_event": tokens / events if events else None,
+        "cpu_us_per_token": cpu / tokens * 1e6 if tokens else None,
+        "cpu_ms_per_turn": cpu / len(result.calls) * 1e3 if result.calls else None,
+        "lag_p50_ms": None,
+        "lag_p99_ms": None,
+        "lags": 0,
+    }
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -878,20 +946,33 @@ async def run(
         upstream = procs.upstream(model_dir, reply_tokens=sizes.reply_tokens)
         wait_http(proxy, "/healthz")
         worker = procs.instant_worker(proxy, model_dir, reply_tokens=sizes.reply_tokens)
-        paced = grouped = None
+        paced = grouped = stepwise = saturated = None
         if "stream" in sections:
             if sizes.stream_grouped_interval > 1:
                 interval = ["--stream-interval", str(sizes.stream_grouped_interval)]
                 grouped = procs.proxy([*proxy_args, *interval], durable=durable, name="grouped")
                 wait_http(grouped, "/healthz")
+            off = ["--stream-coalesce", "off"]
+            stepwise = procs.proxy([*proxy_args, *off], durable=durable, name="stepwise")
+            wait_http(stepwise, "/healthz")
+            streaming = [p for p in (proxy, grouped, stepwise) if p is not None]
             paced = procs.instant_worker(
-                [proxy] if grouped is None else [proxy, grouped],
+                streaming,
                 model_dir,
                 reply_tokens=sizes.stream_reply_tokens,
                 index=1,
                 name=PACED_MODEL,
                 tokens_per_second=sizes.stream_tokens_per_second,
             )
+            if sizes.stream_saturated[0]:
+                saturated = procs.instant_worker(
+                    streaming,
+                    model_dir,
+                    reply_tokens=sizes.stream_reply_tokens,
+                    index=3,
+                    name=SATURATED_MODEL,
+                    tokens_per_second=sizes.stream_saturated[1],
+                )
         wait_http(proxy, "/readyz")
         volatile = volatile_worker = None
         if "inmemory" in sections and durable:
@@ -912,7 +993,7 @@ async def run(
                 litellm = None
         elif with_litellm:
             results["litellm_error"] = "LiteLLM side environment missing (make bench-litellm)"
-        stack = Stack(proxy, [worker], upstream, litellm, paced, volatile, grouped)
+        stack = Stack(proxy, [worker], upstream, litellm, paced, volatile, grouped, stepwise)
         results["log_dir"] = str(procs.log_dir)
         if "latency" in sections:
             print("latency / throughput", flush=True)
@@ -924,12 +1005,15 @@ async def run(
             save(results)
         if "stream" in sections:
             print("paced streams", flush=True)
-            await wait_for_model(proxy.url, PACED_MODEL)
-            if grouped is not None:
-                await wait_for_model(grouped.url, PACED_MODEL)
+            for streaming_proxy in (proxy, grouped, stepwise):
+                if streaming_proxy is not None:
+                    await wait_for_model(streaming_proxy.url, PACED_MODEL)
+                    if saturated is not None:
+                        await wait_for_model(streaming_proxy.url, SATURATED_MODEL)
             results["stream"] = await section_stream(stack, sizes)
-            if grouped is not None:
-                grouped.stop()  # what follows is measured without it
+            for stopped in (grouped, stepwise, saturated):
+                if stopped is not None:
+                    stopped.stop()  # what follows is measured without them
             save(results)
         if volatile is not None:
             print("in memory (no durability)", flush=True)

@@ -6,6 +6,7 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from bench.processes import LITELLM_VENV, REPO
@@ -210,27 +211,100 @@ def history_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _stream_mode(r: dict[str, Any]) -> str:
+    """adaptive, step, grouped or whole (results from before the modes: by interval)."""
+    if not r.get("stream", True):
+        return "whole"
+    return str(r.get("mode") or ("grouped" if r.get("interval", 1) > 1 else "adaptive"))
+
+
+def _replies(r: dict[str, Any]) -> str:
+    mode = _stream_mode(r)
+    return {
+        "whole": "whole",
+        "adaptive": "streamed",
+        "step": "streamed, `--stream-coalesce off`",
+        "grouped": f"streamed, `--stream-interval {r.get('interval', 1)}`",
+    }[mode]
+
+
 def stream_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| concurrency | replies | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | **proxy CPU µs per token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | replies | engine pace (tokens/s per stream) | tokens per reply | turns | errors | tokens/s through the proxy | tokens per event | **proxy CPU µs per token** | proxy CPU ms per turn | **first token, engine → agent p50 / p99 (ms)** |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        if not r.get("stream", True):
-            replies = "whole"
-        elif r.get("interval", 1) > 1:
-            replies = f"streamed, `--stream-interval {r['interval']}`"
-        else:
-            replies = "streamed"
         lag = (
             "-" if r["lag_p50_ms"] is None else f"**{_f(r['lag_p50_ms'])} / {_f(r['lag_p99_ms'])}**"
         )
         lines.append(
-            f"| {r['concurrency']} | {replies} | {r['engine_tokens_per_s']:.0f} | "
+            f"| {r['concurrency']} | {_replies(r)} | {r['engine_tokens_per_s']:.0f} | "
             f"{r['tokens_per_turn']} | {r['turns']} | {r['errors']} | {r['tokens_per_s']:.0f} | "
-            f"**{_f(r['cpu_us_per_token'], 0)}** | {_f(r['cpu_ms_per_turn'])} | {lag} |"
+            f"{_f(r.get('tokens_per_event'), 1)} | **{_f(r['cpu_us_per_token'], 0)}** | "
+            f"{_f(r['cpu_ms_per_turn'])} | {lag} |"
         )
     return "\n".join(lines)
+
+
+STREAM_MODES = ("step", "adaptive", "grouped")
+
+
+def _stream_cells(rows: list[dict[str, Any]]) -> dict[tuple[int, float, str], list[dict[str, Any]]]:
+    """Streamed rows by (concurrency, engine pace, mode), rounds in order."""
+    cells: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("stream", True):
+            key = (r["concurrency"], r["engine_tokens_per_s"], _stream_mode(r))
+            cells.setdefault(key, []).append(r)
+    return cells
+
+
+def stream_compare_table(rows: list[dict[str, Any]]) -> str:
+    """Per stream count and pace, the three ways of streaming side by side: proxy CPU µs
+    per token and the first token's p50 lag (ms) of each round, and tokens per event."""
+    cells = _stream_cells(rows)
+    interval = next((r.get("interval", 8) for r in rows if _stream_mode(r) == "grouped"), 8)
+    lines = [
+        "| streams × engine pace | every step (`--stream-coalesce off`) | adaptive (default) | "
+        f"`--stream-interval {interval}` |",
+        "|---|---|---|---|",
+    ]
+    for concurrency, pace in sorted({(k[0], k[1]) for k in cells}, key=lambda k: (k[1], k[0])):
+        out = []
+        for mode in STREAM_MODES:
+            runs = cells.get((concurrency, pace, mode), [])
+            if not runs:
+                out.append("-")
+                continue
+            cpu = ", ".join(_f(r["cpu_us_per_token"], 0) for r in runs)
+            lag = ", ".join(_f(r["lag_p50_ms"], 1) for r in runs)
+            per_event = [r["tokens_per_event"] for r in runs if r.get("tokens_per_event")]
+            grouped = f"{sum(per_event) / len(per_event):.1f}" if per_event else "-"
+            out.append(f"**{cpu}** µs/token, {grouped} tokens/event, first token {lag} ms")
+        lines.append(f"| {concurrency} × {pace:.0f}/s | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def saturated_ratio(rows: list[dict[str, Any]]) -> float | None:
+    """At the saturated pace (the fastest), the median proxy CPU per streamed token of
+    the adaptive default over that of ``--stream-interval``."""
+    cells = _stream_cells(rows)
+    paces = [k[1] for k in cells if k[2] == "grouped"]
+    if not paces:
+        return None
+    fastest = max(paces)
+    key = max((k for k in cells if k[1] == fastest), key=lambda k: k[0])
+
+    def median_cpu(mode: str) -> float | None:
+        figures = [
+            r["cpu_us_per_token"]
+            for r in cells.get((key[0], fastest, mode), [])
+            if r["cpu_us_per_token"]
+        ]
+        return median(figures) if figures else None
+
+    adaptive, grouped = median_cpu("adaptive"), median_cpu("grouped")
+    return adaptive / grouped if adaptive is not None and grouped else None
 
 
 def inmemory_table(latency: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
@@ -385,6 +459,16 @@ def targets_table(results: dict[str, Any]) -> str:
                 lag <= 2.0,
             )
         )
+    ratio = saturated_ratio(results.get("stream") or [])
+    if ratio is not None:
+        rows.append(
+            (
+                "streamed token at saturation: proxy CPU, adaptive ÷ `--stream-interval`",
+                "≤ 1.0×",
+                f"{ratio:.2f}×",
+                ratio <= 1.0,
+            )
+        )
     first = added("proxy", 1, True, "ttft_p50_ms")
     if first is not None:
         # Not the target's measure: this includes rendering and dispatching the prompt,
@@ -426,7 +510,14 @@ def render(
             "",
         ]
     if "stream" in results:
-        parts += ["## Streams at an engine's pace", "", stream_table(results["stream"]), ""]
+        parts += [
+            "## Streams at an engine's pace",
+            "",
+            stream_compare_table(results["stream"]),
+            "",
+            stream_table(results["stream"]),
+            "",
+        ]
     if "context" in results:
         parts += ["## Long contexts", "", context_table(results["context"]), ""]
     if "memory" in results:

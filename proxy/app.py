@@ -13,6 +13,7 @@ from proxy.api.responses import routes as responses_routes
 from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
 from proxy.chat import history
 from proxy.cluster import forward_middleware, setup_cluster
+from proxy.coalesce import CoalesceMode, StreamCoalescer
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
@@ -67,12 +68,18 @@ def build_app(config: ProxyConfig) -> web.Application:
     app[WEIGHTS] = WeightSync(pool)
     app[MODELS] = models
     app[SESSIONS] = SessionRegistry()
+    coalescer = None
+    if config.stream_coalesce is CoalesceMode.ADAPTIVE and config.stream_interval == 1:
+        # An explicit --stream-interval groups every stream alike; nothing to adapt.
+        coalescer = StreamCoalescer()
+        pool.after_frame = coalescer.frame_handled
     app[SERVICE] = TurnService(
         pool,
         models,
         global_max_tokens=config.max_tokens,
         retry_after_seconds=config.retry_after_seconds,
         stream_interval=config.stream_interval,
+        coalescer=coalescer,
     )
     app[SERVICE].limits = Limits(
         max_messages=config.max_messages,
@@ -81,7 +88,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     )
     history.BUDGET.limit = config.history_memory_mb * 2**20
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
-    metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]))
+    metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]), coalescer)
     app[SERVICE].metrics = metrics
     setup_observability(app, metrics)
     app.router.add_get("/healthz", healthz)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.appkeys import MODELS
+from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
 from proxy.deploy.command import add_deploy_parser, at_least_one_arg, run_deploy
 from proxy.exceptions import ConfigurationError, StorageError
@@ -47,6 +48,16 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         metavar="TOKENS",
         help="tokens per streamed event (1: every engine step; more: fewer, larger events "
         "for less CPU per token; the first tokens and the end go out at once)",
+    )
+    parser.add_argument(
+        "--stream-coalesce",
+        type=CoalesceMode,
+        choices=list(CoalesceMode),
+        default=CoalesceMode.ADAPTIVE,
+        metavar="{" + ",".join(m.value for m in CoalesceMode) + "}",
+        help="adaptive (default): while the proxy's event loop runs behind, a stream's "
+        "tokens wait a few ms and go out together, otherwise every engine step at once; "
+        "off: every step at once however busy (with --stream-interval above 1: off)",
     )
     parser.add_argument("--cache-dir", type=Path, default=None)
     limits = ProxyConfig()
@@ -168,6 +179,7 @@ def _config(
         history_memory_mb=args.history_memory_mb,
         tool_parser=args.tool_parser,
         stream_interval=args.stream_interval,
+        stream_coalesce=args.stream_coalesce,
         max_in_flight=args.max_in_flight,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
         max_queued=args.max_queued,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.coalesce import CoalesceMode
+
 
 @dataclass(slots=True, frozen=True)
 class ProxyConfig:
@@ -39,6 +41,9 @@ class ProxyConfig:
     # takes what is left): 1 streams every engine step; more trades how often an agent
     # hears from a stream for less proxy CPU per token.
     stream_interval: int = 1
+    # With stream_interval 1: while the event loop runs behind, a stream's tokens wait a
+    # few milliseconds and go out together (proxy.coalesce); OFF writes every step.
+    stream_coalesce: CoalesceMode = CoalesceMode.ADAPTIVE
     heartbeat_seconds: float = 10.0
     retry_after_seconds: int = 5
     # Backpressure (0: no bound of that kind): requests running per worker (caps what the

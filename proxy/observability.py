@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.api.errors import ERROR_CODE
+from proxy.coalesce import StreamCoalescer
 from proxy.ids import new_id
 from proxy.logs import request_id_var, trial_id_var
 from relay.pool import WorkerPool
@@ -150,10 +151,56 @@ class _PoolCollector(Collector):
         )
 
 
+class _CoalescerCollector(Collector):
+    """The event loop's lag and the adaptive stream coalescing it drives, read at scrape
+    time."""
+
+    def __init__(self, coalescer: StreamCoalescer) -> None:
+        self._coalescer = coalescer
+
+    def collect(self) -> Iterator[Metric]:
+        coalescer, stats = self._coalescer, self._coalescer.stats
+        yield GaugeMetricFamily(
+            "relay_event_loop_lag_seconds",
+            "How long the last probe queued after a worker frame waited for the event loop",
+            value=coalescer.gauge.last_lag,
+        )
+        yield GaugeMetricFamily(
+            "relay_event_loop_busy_share",
+            "The share of the last window the event loop's thread ran (CPU time ÷ wall time)",
+            value=coalescer.gauge.share,
+        )
+        yield CounterMetricFamily(
+            "relay_event_loop_late_probes",
+            "Probes that found the event loop behind (streams then coalesce their tokens)",
+            value=stats.late_probes,
+        )
+        yield CounterMetricFamily(
+            "relay_stream_holds",
+            "Times a stream held its tokens for a sweep instead of writing them at once",
+            value=stats.holds,
+        )
+        yield CounterMetricFamily(
+            "relay_stream_sweeps",
+            "Sweeps that wrote the tokens streams had held for the longest wait",
+            value=stats.sweeps,
+        )
+        yield CounterMetricFamily(
+            "relay_stream_swept",
+            "Streams whose held tokens a sweep wrote (the others wrote a full group first)",
+            value=stats.swept,
+        )
+
+
 class ProxyMetrics:
     """Every metric the proxy exports."""
 
-    def __init__(self, pool: WorkerPool, sessions_open: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        sessions_open: Callable[[], int],
+        coalescer: StreamCoalescer | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -237,6 +284,8 @@ class ProxyMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool, sessions_open))
+        if coalescer is not None:
+            r.register(_CoalescerCollector(coalescer))
 
     def observe_turn(
         self,

@@ -28,6 +28,7 @@ from proxy.chat.reasoning import (
     split_whole,
 )
 from proxy.chat.stops import StopMatcher
+from proxy.coalesce import StreamCoalescer
 from proxy.exceptions import (
     ContextLengthError,
     ProxyError,
@@ -62,6 +63,7 @@ from relay.exceptions import (
     WorkerFailedError,
 )
 from relay.pool import (
+    Delivery,
     FinishedEvent,
     RelayCall,
     RestartedEvent,
@@ -188,6 +190,7 @@ class TurnService:
         global_max_tokens: int,
         retry_after_seconds: int = 5,
         stream_interval: int = 1,
+        coalescer: StreamCoalescer | None = None,
     ) -> None:
         self.pool = pool
         self.models = models
@@ -196,6 +199,9 @@ class TurnService:
         # A stream's events carry at least this many tokens (its first and last may carry
         # fewer): 1 writes every engine step to the agent as it is sampled.
         self.stream_interval = stream_interval
+        # Holds streams' tokens while the event loop runs behind (None: every step is
+        # written as it arrives, or in groups of ``stream_interval``).
+        self.coalescer = coalescer
         self.metrics: ProxyMetrics | None = None
         # Where recorded turns are committed (None: in memory only).
         self.store: SessionStore | None = None
@@ -412,7 +418,9 @@ class TurnService:
         Where the consumer set ``prepared.sink``, an engine step's tokens are decoded and
         written by the relay as they arrive (when the sink can write at once); the
         events that come out of this generator are then the rest (the end, and whatever
-        the sink declined), in order with what the sink wrote.
+        the sink declined), in order with what the sink wrote. While the proxy's event
+        loop runs behind, the sink holds a stream's tokens (after its first event) until a
+        group of them waits or the coalescer's sweep comes, so that they go out together.
 
         If the consumer goes away (the agent disconnected), the generation is cancelled on
         the worker and what was sampled so far is recorded as a truncated turn."""
@@ -426,18 +434,30 @@ class TurnService:
         incremental = incremental or bool(request.stop)
         decoding = _Decoding(prepared)
 
-        def deliver(tokens: TokensEvent) -> bool:
+        coalescer = self.coalescer
+
+        def deliver(tokens: TokensEvent, may_hold: bool) -> Delivery:
             sink = prepared.sink
-            if sink is None or not sink.writable_now():
-                return False
+            if sink is None:
+                return Delivery.DECLINED
+            if (
+                may_hold
+                and coalescer is not None
+                and decoding.shown
+                and coalescer.hold(call, len(tokens.token_ids))
+            ):
+                return Delivery.HELD
+            if not sink.writable_now():
+                return Delivery.DECLINED
             events = decoding.feed(tokens)
             if events:
                 sink.write_now(events)
-            return True
+            return Delivery.WRITTEN
 
         if incremental and not request.stop:
             # A stop string needs the worker cancelled when it matches: not in the relay.
-            call.deliver_to(deliver)
+            # Held tokens are offered again once a group of them waits (or at a sweep).
+            call.deliver_to(deliver, group=coalescer.policy.group if coalescer else 0)
         finished: FinishedEvent | None = None
         try:
             try:

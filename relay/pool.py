@@ -268,6 +268,18 @@ def version_spans(segments: Sequence[tuple[int, int]], total: int) -> list[Versi
 RelayEvent = TokensEvent | RestartedEvent | ResumedEvent | FinishedEvent
 
 
+class Delivery(enum.Enum):
+    """What a call's sink (``RelayCall.deliver_to``) did with the tokens offered to it."""
+
+    WRITTEN = "written"  # it did what the consumer would have done with them
+    DECLINED = "declined"  # the consumer is woken with them
+    HELD = "held"  # they wait, the consumer asleep, for more tokens or ``RelayCall.flush``
+
+
+# A call's sink: the waiting tokens, and whether it may hold them (not during a flush).
+Sink = Callable[[TokensEvent, bool], Delivery]
+
+
 class RequestState(enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -320,7 +332,11 @@ class RelayCall:
         self._had_tokens = False
         # Takes a step's tokens where they arrive instead of waking the consumer (see
         # ``deliver_to``).
-        self._sink: Callable[[TokensEvent], bool] | None = None
+        self._sink: Sink | None = None
+        # Held tokens (the sink said so) are offered again once this many wait, or at a
+        # flush; 0: with every step's.
+        self._held = False
+        self._group = 0
 
     def __repr__(self) -> str:
         return f"<RelayCall {self.request_id} {self.state.value} worker={self.worker_id}>"
@@ -382,18 +398,24 @@ class RelayCall:
             self._decisive += 1
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._ready():
-            if self._sink is not None and not self._decisive and len(self._pending) == 1:
-                tokens = self._pending[0]
-                assert isinstance(tokens, TokensEvent)
-                if self._take(self._sink, tokens):
-                    return
-            waiter.set_result(None)
+            self._wake(waiter, may_hold=True)
 
-    def _take(self, sink: Callable[[TokensEvent], bool], tokens: TokensEvent) -> bool:
-        """Hand the waiting tokens to the sink; False if it declined them (they wait for
-        the consumer). A sink that fails fails the call, not the worker's connection."""
+    def _wake(self, waiter: asyncio.Future[None], *, may_hold: bool) -> None:
+        """The parked consumer has tokens to take: the sink gets them first when they are
+        all that waits; the consumer is woken unless the sink wrote or held them."""
+        if self._sink is not None and not self._decisive and len(self._pending) == 1:
+            tokens = self._pending[0]
+            assert isinstance(tokens, TokensEvent)
+            if self._take(self._sink, tokens, may_hold) is not Delivery.DECLINED:
+                return
+        waiter.set_result(None)
+
+    def _take(self, sink: Sink, tokens: TokensEvent, may_hold: bool) -> Delivery:
+        """Hand the waiting tokens to the sink. Declined ones wait for the consumer, held
+        ones for the next tokens or a flush. A sink that fails fails the call, not the
+        worker's connection."""
         try:
-            taken = sink(tokens)
+            delivery = sink(tokens, may_hold)
         except Exception as exc:
             log.exception("request %s: delivering tokens failed", self.request_id)
             # The sink may have used part of them: the consumer gets the error alone.
@@ -402,21 +424,43 @@ class RelayCall:
             self._waiting_tokens = 0
             self._pending.append(RelayError(f"delivering tokens failed: {exc!r}"))
             self._decisive += 1
-            return False
-        if taken:
+            self._held = False
+            return Delivery.DECLINED
+        if delivery is Delivery.HELD:
+            if may_hold:
+                self._held = True
+                return delivery
+            delivery = Delivery.DECLINED  # a flush leaves nothing waiting: the consumer takes them
+        self._held = False
+        if delivery is Delivery.WRITTEN:
             self._pending.clear()
             self._waiting_tokens = 0
             self._had_tokens = True
-        return taken
+        return delivery
 
-    def deliver_to(self, sink: Callable[[TokensEvent], bool] | None) -> None:
+    def deliver_to(self, sink: Sink | None, *, group: int = 0) -> None:
         """Tokens that would wake a consumer parked in ``events()`` (nothing else
         waiting before them) go to ``sink`` at once instead, in the relay's reader: a
         stream writes its client's event without a task switch per engine step. The
-        sink returns False to decline (the consumer is woken with them as usual); it
-        must do what the consumer would have done with them, synchronously. None
-        removes it."""
+        sink must do what the consumer would have done with them, synchronously
+        (``WRITTEN``), or decline (``DECLINED``: the consumer is woken with them as
+        usual), or, when offered with ``may_hold``, hold them (``HELD``: they wait, and
+        the next tokens join them, until ``group`` tokens wait (then they are offered
+        again), ``flush``, or an event that is not tokens). None removes it."""
         self._sink = sink
+        self._group = group
+
+    def flush(self) -> bool:
+        """Held tokens go out now: to the sink, which may not hold them again (or, if it
+        declines, to the consumer). Nothing happens when nothing is held (the consumer
+        was woken, or took them): False."""
+        if not self._held:
+            return False
+        self._held = False
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and self._ready():
+            self._wake(waiter, may_hold=False)
+        return True
 
     def _ready(self) -> bool:
         """Whether the consumer has something to take now."""
@@ -424,6 +468,8 @@ class RelayCall:
             return True
         after = self._wake_after
         if after is None or not self._waiting_tokens:
+            return False
+        if self._held and self._waiting_tokens < self._group:
             return False
         return self._waiting_tokens >= after or not self._had_tokens
 
@@ -449,6 +495,7 @@ class RelayCall:
             if isinstance(event, TokensEvent):
                 self._waiting_tokens -= len(event.token_ids)
                 self._had_tokens = True
+                self._held = False
             else:
                 self._decisive -= 1
             if isinstance(event, RelayError):
@@ -492,6 +539,9 @@ class WorkerPool:
         # Runs when a worker joins behind the pool's version, or the pool learns a newer
         # version than a worker serves (set by ``relay.weights.WeightSync``).
         self.on_behind: Callable[[WorkerHandle], None] | None = None
+        # Runs after each worker frame that carried requests' frames was handled (the
+        # proxy's stream coalescing gauges the event loop's lag from there).
+        self.after_frame: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<WorkerPool workers={len(self.workers)} in_flight={len(self._calls)}>"
@@ -845,6 +895,8 @@ class WorkerPool:
             return
         else:
             finished = self._route(handle, message)
+        if self.after_frame is not None:
+            self.after_frame()
         if finished:
             await self._notify()
 

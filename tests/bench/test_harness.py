@@ -117,27 +117,43 @@ def test_long_context_turns_continue_the_session(results: dict[str, object]) -> 
 
 def test_paced_streams_are_measured_per_token(results: dict[str, object]) -> None:
     """Each paced run carried every token of every reply and charged the proxy's CPU to
-    them; streamed runs (every token, and in groups through the --stream-interval proxy)
-    timed each first token from the engine to the agent, beside whole replies."""
+    them; streamed runs (the adaptive default, every step through the --stream-coalesce
+    off proxy, in groups through the --stream-interval proxy) timed each first token from
+    the engine to the agent and counted their events, beside whole replies; then the same
+    three at the saturated pace."""
     sizes = Sizes.quick()
     rows = results["stream"]
     assert isinstance(rows, list)
-    several = [c for c in sizes.stream_concurrencies if c > 1]
     grouped = sizes.stream_grouped_interval
-    assert [(r["concurrency"], r["stream"], r["interval"]) for r in rows] == [
-        *((c, True, 1) for c in sizes.stream_concurrencies),
-        *((c, False, 1) for c in several),
-        *((c, True, grouped) for c in several),
-    ]
+    expected = []
+    for c in sizes.stream_concurrencies:
+        expected += [(c, "adaptive", 1, False), (c, "step", 1, False)]
+        if c > 1:
+            expected += [(c, "whole", 1, False), (c, "grouped", grouped, False)]
+    saturated = sizes.stream_saturated[0]
+    expected += [(saturated, m, i, True) for m, i in (("adaptive", 1), ("step", 1), ("grouped", 4))]
+    assert [(r["concurrency"], r["mode"], r["interval"], r["saturated"]) for r in rows] == expected
     for row in rows:
         assert row["errors"] == 0, row["first_error"]
-        assert row["turns"] == sizes.stream_turns_at[row["concurrency"]]
+        turns = (
+            sizes.stream_saturated_turns
+            if row["saturated"]
+            else sizes.stream_turns_at[row["concurrency"]]
+        )
+        assert row["turns"] == turns
         assert row["tokens"] == row["turns"] * sizes.stream_reply_tokens
         assert row["cpu_us_per_token"] > 0
         if row["stream"]:
             assert row["lags"] == row["turns"]  # every turn's first token was matched
             assert 0 < row["lag_p50_ms"] <= row["lag_p99_ms"]
-    assert "`--stream-interval 4`" in str(results["_markdown"])
+            # Every event carried a token at least; groups carry more than one.
+            assert row["tokens_per_event"] >= 1.0
+            if row["mode"] == "grouped":
+                assert row["tokens_per_event"] > 1.5
+    markdown = str(results["_markdown"])
+    assert "`--stream-interval 4`" in markdown
+    assert "`--stream-coalesce off`" in markdown
+    assert f"| {saturated} × {sizes.stream_saturated[1]:.0f}/s |" in markdown
 
 
 def test_in_memory_runs_repeat_the_non_streamed_ones(results: dict[str, object]) -> None:

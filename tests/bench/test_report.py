@@ -104,14 +104,56 @@ def test_a_slow_first_token_misses_and_streams_get_their_table() -> None:
     )
     text = render(RESULTS, {}, "python -m bench")
     assert "## Streams at an engine's pace" in text
-    assert "| 1 | streamed | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | **0.80 / 2.50** |" in text
-    # Whole replies at the same pace have no first token; grouped streams say how.
+    assert (
+        "| 1 | streamed | 50 | 64 | 24 | 0 | 48 | - | **150** | 12.00 | **0.80 / 2.50** |" in text
+    )
+    # Whole replies at the same pace have no first token; other streams say how.
     base = RESULTS["stream"][0]
     whole = base | {"stream": False, "interval": 1, "lag_p50_ms": None, "lag_p99_ms": None}
-    grouped = base | {"stream": True, "interval": 8}
-    text = render(RESULTS | {"stream": [whole, grouped]}, {}, "python -m bench")
-    assert "| 1 | whole | 50 | 64 | 24 | 0 | 48 | **150** | 12.00 | - |" in text
-    assert "| 1 | streamed, `--stream-interval 8` | 50 |" in text
+    grouped = base | {"stream": True, "interval": 8, "tokens_per_event": 7.5}
+    step = base | {"stream": True, "mode": "step", "tokens_per_event": 1.0}
+    text = render(RESULTS | {"stream": [whole, grouped, step]}, {}, "python -m bench")
+    assert "| 1 | whole | 50 | 64 | 24 | 0 | 48 | - | **150** | 12.00 | - |" in text
+    assert "| 1 | streamed, `--stream-interval 8` | 50 | 64 | 24 | 0 | 48 | 7.5 |" in text
+    assert "| 1 | streamed, `--stream-coalesce off` | 50 | 64 | 24 | 0 | 48 | 1.0 |" in text
+
+
+def _paced(mode: str, pace: float, cpu: float, lag: float) -> dict[str, Any]:
+    return RESULTS["stream"][0] | {
+        "concurrency": 128,
+        "mode": mode,
+        "interval": 8 if mode == "grouped" else 1,
+        "engine_tokens_per_s": pace,
+        "cpu_us_per_token": cpu,
+        "lag_p50_ms": lag,
+        "tokens_per_event": {"step": 1.0, "adaptive": 6.0, "grouped": 7.5}[mode],
+    }
+
+
+def test_the_ways_of_streaming_are_compared_and_judged_at_saturation() -> None:
+    """Streams side by side per count and pace (every round's figures), and the target:
+    at the fastest pace the adaptive default's median CPU per token is at most that of
+    ``--stream-interval``."""
+    rows = [
+        _paced("adaptive", 50, 30.0, 4.0),
+        _paced("step", 50, 31.0, 4.1),
+        _paced("grouped", 50, 20.0, 4.2),
+        _paced("adaptive", 400, 19.0, 9.0),
+        _paced("adaptive", 400, 23.0, 8.0),
+        _paced("step", 400, 28.0, 20.0),
+        _paced("grouped", 400, 21.0, 10.0),
+    ]
+    text = render(RESULTS | {"stream": rows}, {}, "python -m bench")
+    assert (
+        "| 128 × 400/s | **28** µs/token, 1.0 tokens/event, first token 20.0 ms "
+        "| **19, 23** µs/token, 6.0 tokens/event, first token 9.0, 8.0 ms "
+        "| **21** µs/token, 7.5 tokens/event, first token 10.0 ms |"
+    ) in text
+    assert text.index("| 128 × 50/s |") < text.index("| 128 × 400/s |")
+    target = "| streamed token at saturation: proxy CPU, adaptive ÷ `--stream-interval` | ≤ 1.0× |"
+    assert f"{target} 1.00× | met |" in targets_table(RESULTS | {"stream": rows})
+    rows[4] = rows[4] | {"cpu_us_per_token": 25.0}
+    assert f"{target} 1.05× | **missed** |" in targets_table(RESULTS | {"stream": rows})
 
 
 def test_idle_sessions_get_a_verdict_only_when_rss_grew_measurably() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from proxy.appkeys import POOL
+from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
 from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
@@ -19,6 +20,11 @@ from tests.scripted_worker import PacedScriptedEngine, serve_scripted
 
 # Scale every wait in the suite on slow machines: RELAY_TEST_TIMEOUT_FACTOR=3 pytest ...
 TIMEOUT_FACTOR = float(os.environ.get("RELAY_TEST_TIMEOUT_FACTOR", "1"))
+
+# The shared stacks' tests pin what each engine step sends, and their worker samples in
+# the proxy's own thread, which can keep its event loop busy enough to coalesce streams
+# (tests/e2e/test_stream_coalesce.py is where coalescing is tested): every step goes out.
+IN_PROCESS_STREAMS = CoalesceMode.OFF
 
 
 def worker_command(proxy_url: str, model: str | Path, *options: str) -> list[str]:
@@ -49,6 +55,7 @@ async def stack(
         max_body_bytes=1024 * 1024,
         max_tokens=64,
         cache_dir=tmp_path_factory.mktemp("proxy-cache"),
+        stream_coalesce=IN_PROCESS_STREAMS,
     )
     running = await start_proxy(config)
     start_hf_worker(running, tiny_model_dir, worker_id="test-hf")
@@ -75,6 +82,7 @@ async def scripted_stack(
         max_body_bytes=1024 * 1024,
         max_tokens=64,
         cache_dir=tmp_path_factory.mktemp("scripted-proxy-cache"),
+        stream_coalesce=IN_PROCESS_STREAMS,
     )
     running = await start_proxy(config)
     engine = serve_scripted(running, tiny_model_dir, worker_id="test-scripted")

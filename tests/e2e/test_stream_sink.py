@@ -12,7 +12,7 @@ import pytest
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
-from relay.pool import RelayCall, TokensEvent
+from relay.pool import Delivery, RelayCall, TokensEvent
 from sdk.client import ProxyClient
 from tests.scripted_worker import PacedScriptedEngine, tiny_reply
 
@@ -26,12 +26,12 @@ def written_by_relay(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     taken: list[int] = []
     real = RelayCall._take
 
-    def spy(call: RelayCall, sink: Any, tokens: TokensEvent) -> bool:
+    def spy(call: RelayCall, sink: Any, tokens: TokensEvent, may_hold: bool) -> Delivery:
         count = len(tokens.token_ids)
-        ok = real(call, sink, tokens)
-        if ok:
+        delivery = real(call, sink, tokens, may_hold)
+        if delivery is Delivery.WRITTEN:
             taken.append(count)
-        return ok
+        return delivery
 
     monkeypatch.setattr(RelayCall, "_take", spy)
     return taken

@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from proxy.cli import _secured_config, build_parser, main
+from proxy.coalesce import CoalesceMode
 from tests.families import FIXTURES
 
 
@@ -135,6 +136,20 @@ def test_the_stream_interval_reaches_the_config() -> None:
     assert config is not None
     assert config.stream_interval == 8
     assert build_parser().parse_args(["proxy"]).stream_interval == 1
+
+
+def test_stream_coalescing_reaches_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--stream-coalesce is adaptive unless set to off; another value stops with why."""
+    secured = ["proxy", "--admin-token", "a", "--worker-token", "w"]
+    config = _secured_config(build_parser().parse_args([*secured, "--stream-coalesce", "off"]))
+    assert config is not None
+    assert config.stream_coalesce is CoalesceMode.OFF
+    default = _secured_config(build_parser().parse_args(secured))
+    assert default is not None
+    assert default.stream_coalesce is CoalesceMode.ADAPTIVE
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", "--stream-coalesce", "sometimes"])
+    assert "--stream-coalesce" in capsys.readouterr().err
 
 
 def test_a_worker_chat_template_that_is_not_a_file_is_refused(

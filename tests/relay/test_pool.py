@@ -18,6 +18,7 @@ from relay.exceptions import (
     WorkerFailedError,
 )
 from relay.pool import (
+    Delivery,
     FairQueue,
     FinishedEvent,
     PoolLimits,
@@ -107,6 +108,7 @@ async def test_tokens_and_finish_are_routed_to_the_call() -> None:
     events = [e async for e in call.events()]
     # Both frames were waiting when the consumer came: their tokens are one event.
     assert [type(e) for e in events] == [TokensEvent, FinishedEvent]
+    assert isinstance(events[0], TokensEvent)
     assert events[0].token_ids == [7, 8]
     assert events[0].logprobs == [-1.0, -2.0]
     assert pool.in_flight == 0
@@ -269,10 +271,10 @@ async def test_a_sink_takes_a_steps_tokens_where_they_arrive() -> None:
     order: list[tuple[str, list[int] | None]] = []
     accept = True
 
-    def sink(tokens: TokensEvent) -> bool:
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
         if accept:
             order.append(("sink", list(tokens.token_ids)))
-        return accept
+        return Delivery.WRITTEN if accept else Delivery.DECLINED
 
     async def consume() -> None:
         async for event in call.events():
@@ -315,7 +317,12 @@ async def test_a_sink_is_not_used_while_the_consumer_is_busy_or_tokens_wait() ->
     call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
     rid = call.request_id
     sunk: list[list[int]] = []
-    call.deliver_to(lambda tokens: bool(sunk.append(list(tokens.token_ids))) or True)
+
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
+        sunk.append(list(tokens.token_ids))
+        return Delivery.WRITTEN
+
+    call.deliver_to(sink)
     for token in (1, 2):  # nobody parked in events() yet
         delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
         await pool.handle_message(handle, _frame(delta, handle))
@@ -335,7 +342,7 @@ async def test_a_failing_sink_fails_its_call_not_the_connection() -> None:
     broken = await pool.start("tiny", [1], sampling, affinity="t1")
     other = await pool.start("tiny", [2], sampling, affinity="t2")
 
-    def sink(tokens: TokensEvent) -> bool:
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
         raise ValueError("encoder bug")
 
     broken.deliver_to(sink)
@@ -359,6 +366,113 @@ async def test_a_failing_sink_fails_its_call_not_the_connection() -> None:
         await asyncio.wait_for(failing, 5)
     assert [type(e) for e in await asyncio.wait_for(fine, 5)] == [TokensEvent, FinishedEvent]
     assert not link.closed
+
+
+async def test_held_tokens_wait_with_the_next_ones_until_a_flush() -> None:
+    """A sink that holds leaves the tokens waiting and the consumer asleep; the next
+    step's tokens join them, ``flush`` offers them all at once (no hold allowed then), and
+    the end still reaches the consumer after them."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+    offers: list[tuple[list[int], bool]] = []
+    consumed: list[list[int] | None] = []
+    hold = True
+
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
+        offers.append((list(tokens.token_ids), may_hold))
+        return Delivery.HELD if hold and may_hold else Delivery.WRITTEN
+
+    async def consume() -> None:
+        async for event in call.events():
+            consumed.append(list(event.token_ids) if isinstance(event, TokensEvent) else None)
+
+    async def step(token: int) -> None:
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    call.deliver_to(sink)
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    await step(1)
+    await step(2)
+    assert offers == [([1], True), ([1, 2], True)]
+    assert consumed == []  # held: the consumer sleeps on
+    call.flush()
+    assert offers[-1] == ([1, 2], False)
+    call.flush()  # nothing held any more: nothing offered
+    assert len(offers) == 3
+    await step(3)
+    hold = False
+    await step(4)
+    await pool.handle_message(handle, _frame(protocol.Done(rid, "stop"), handle))
+    await asyncio.wait_for(consumer, 5)
+    assert offers[3:] == [([3], True), ([3, 4], True)]
+    assert consumed == [None]
+    assert list(call.received) == [1, 2, 3, 4]
+
+
+async def test_held_tokens_reach_the_consumer_with_the_end_and_in_order() -> None:
+    """Tokens held when the reply ends are taken by the consumer before the end; a sink
+    that declines at a flush wakes the consumer with them."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+    consumed: list[list[int] | None] = []
+
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
+        return Delivery.HELD if may_hold else Delivery.DECLINED
+
+    async def consume() -> None:
+        async for event in call.events():
+            consumed.append(list(event.token_ids) if isinstance(event, TokensEvent) else None)
+
+    call.deliver_to(sink)
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    for token in (1, 2):
+        delta = protocol.Delta(rid, protocol.pack_ids([token]), protocol.pack_logprobs([-1]))
+        await pool.handle_message(handle, _frame(delta, handle))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert consumed == []
+    call.flush()  # declined: the consumer takes them
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert consumed == [[1, 2]]
+    delta = protocol.Delta(rid, protocol.pack_ids([3]), protocol.pack_logprobs([-1]))
+    await pool.handle_message(handle, _frame(delta, handle))
+    await pool.handle_message(
+        handle, _frame(protocol.Done(rid, "stop", protocol.pack_ids([4]), b"\0\0\0\0"), handle)
+    )
+    await asyncio.wait_for(consumer, 5)
+    assert consumed == [[1, 2], [3, 4], None]
+
+
+async def test_after_frame_runs_once_per_worker_frame() -> None:
+    """The pool's ``after_frame`` hook runs after each request-carrying frame is handled
+    (a batch of several requests' frames counts once), with its tokens already routed."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    sampling = protocol.Sampling(max_tokens=8)
+    first = await pool.start("tiny", [1], sampling, affinity="t1")
+    second = await pool.start("tiny", [2], sampling, affinity="t2")
+    seen: list[tuple[int, int]] = []
+    pool.after_frame = lambda: seen.append((len(first.received), len(second.received)))
+    batch = protocol.Batch(
+        [
+            protocol.Delta(first.request_id, protocol.pack_ids([5]), protocol.pack_logprobs([-1])),
+            protocol.Delta(second.request_id, protocol.pack_ids([6]), protocol.pack_logprobs([-1])),
+        ]
+    )
+    await pool.handle_message(handle, _frame(batch, handle))
+    delta = protocol.Delta(first.request_id, protocol.pack_ids([7]), protocol.pack_logprobs([-1]))
+    await pool.handle_message(handle, _frame(delta, handle))
+    assert seen == [(1, 1), (2, 1)]
 
 
 def _drain_nowait(call: RelayCall) -> list[object]:
