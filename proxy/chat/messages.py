@@ -23,15 +23,19 @@ import msgspec
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-@dataclass(slots=True, frozen=True)
-class ToolCall:
+# Messages are msgspec Structs the cyclic garbage collector does not track (``gc=False``;
+# they hold strings and tuples of tool calls, never a cycle): sessions remember their recent
+# histories (``proxy.chat.history``), and a full collection that had to scan 300k messages
+# as dataclasses stalled the proxy ~66 ms, as Structs ~9 ms.
+
+
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
     id: str
     name: str
     arguments: str  # a JSON object as text, exactly as the client sees it
 
 
-@dataclass(slots=True, frozen=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: Role
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()

@@ -29,3 +29,19 @@ def test_keys_chain_over_messages_and_depend_on_tools() -> None:
     assert root_key([tool]) != root_key([])
     same = Tool(name="ls", description="list", parameters={"a": 2, "type": "object", "b": 1})
     assert root_key([same]) == root_key([tool])  # key order in a schema does not matter
+
+
+def test_messages_are_not_tracked_by_the_cyclic_garbage_collector() -> None:
+    """Sessions remember their recent histories: their messages and tool calls must not
+    make every full collection scan them."""
+    import gc
+
+    from proxy.chat.messages import ToolCall
+
+    call = ToolCall("id-1", "search", '{"q": "x"}')
+    message = ChatMessage("assistant", "text", (call,), reasoning="why")
+    assert not gc.is_tracked(message)
+    assert not gc.is_tracked(call)
+    assert message == ChatMessage(
+        "assistant", "text", (ToolCall("id-1", "search", '{"q": "x"}'),), reasoning="why"
+    )
