@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from proxy.chat.messages import ChatMessage, Tool, extend_key, root_key
 
@@ -34,17 +34,17 @@ MEMORY = 4
 
 @dataclass(slots=True, frozen=True)
 class _Parsed:
-    api: str  # whose conversion made the messages (each API reads a message its own way)
-    raws: list[object]  # each message's JSON text as received (bytes-like, comparable)
-    ends: list[int]  # ends[k]: how many internal messages raws[:k] made
+    tag: str  # the API whose conversion made the messages (each reads a message its own way)
+    items: list[object]  # each message's JSON text as received (bytes-like, comparable)
+    ends: list[int]  # ends[k]: how many internal messages items[:k] made
     messages: list[ChatMessage]
 
 
 @dataclass(slots=True, frozen=True)
 class _Keyed:
-    root: bytes  # the tools' key
-    messages: list[ChatMessage]
-    keys: list[bytes]  # keys[k]: the context of the tools and messages[:k]
+    tag: bytes  # the tools' key
+    items: list[ChatMessage]
+    keys: list[bytes]  # keys[k]: the context of the tools and items[:k]
 
 
 _Item = TypeVar("_Item")
@@ -68,6 +68,22 @@ def shared_prefix(old: list[_Item], new: list[_Item]) -> int:
 
 
 _Chain = TypeVar("_Chain", _Parsed, _Keyed)
+
+
+def _closest(
+    chains: tuple[_Chain, ...], tag: object, items: list[Any]
+) -> tuple[_Chain | None, int, bool]:
+    """The remembered chain of ``tag`` that shares the longest prefix with ``items``, how
+    many items it shares, and whether ``items`` extends all of it."""
+    best: _Chain | None = None
+    shared = 0
+    for chain in chains:
+        if chain.tag != tag:
+            continue
+        n = shared_prefix(chain.items, items)
+        if n > shared or best is None:
+            best, shared = chain, n
+    return best, shared, best is not None and shared == len(best.items)
 
 
 def _remember(
@@ -172,14 +188,7 @@ class HistoryMemory:
     ) -> list[ChatMessage]:
         """``messages`` for an API whose message may make several internal ones (an
         Anthropic user message with tool results)."""
-        best: _Parsed | None = None
-        shared = 0
-        for chain in self._parsed:
-            if chain.api != api:
-                continue
-            n = shared_prefix(chain.raws, raws)
-            if n > shared or best is None:
-                best, shared = chain, n
+        best, shared, grown = _closest(self._parsed, api, raws)
         if best is not None:
             ends = best.ends[: shared + 1]
             messages = best.messages[: ends[-1]]
@@ -188,9 +197,8 @@ class HistoryMemory:
         for index in range(shared, len(raws)):
             messages.extend(convert(raws[index], index))
             ends.append(len(messages))
-        grew_from = best if best is not None and shared == len(best.raws) else None
         chain = _Parsed(api, raws, ends, messages)
-        self._parsed = _remember(self._parsed, chain, grew_from)
+        self._parsed = _remember(self._parsed, chain, best if grown else None)
         self._charge(chain, sum(map(len, cast(list[Sized], raws))) + _PER_MESSAGE * len(raws))
         return list(messages)
 
@@ -200,19 +208,11 @@ class HistoryMemory:
         longest prefix shared with a remembered history of the same tools."""
         root = root_key(tools)
         history = list(messages)
-        best: _Keyed | None = None
-        shared = 0
-        for chain in self._keyed:
-            if chain.root != root:
-                continue
-            n = shared_prefix(chain.messages, history)
-            if n > shared or best is None:
-                best, shared = chain, n
+        best, shared, grown = _closest(self._keyed, root, history)
         keys = best.keys[: shared + 1] if best is not None else [root]
         for message in history[shared:]:
             keys.append(extend_key(keys[-1], message))
-        grew_from = best if best is not None and shared == len(best.messages) else None
         chain = _Keyed(root, history, keys)
-        self._keyed = _remember(self._keyed, chain, grew_from)
+        self._keyed = _remember(self._keyed, chain, best if grown else None)
         self._charge(chain, sum(map(len, map(_CONTENT, history))))
         return list(keys)
