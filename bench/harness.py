@@ -731,14 +731,9 @@ async def section_history_profile(stack: Stack, sizes: Sizes, out_dir: Path) -> 
             return {"error": "py-spy is not installed (pip install py-spy)"}
         await asyncio.sleep(1.0)  # let py-spy attach
         await asyncio.gather(*(run(a, last - grown) for a in agents))
-    spy_proc.send_signal(signal.SIGINT)
-    try:
-        _, err = spy_proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        spy_proc.kill()
-        err = b"timeout"
-    if not raw.is_file():
-        return {"error": f"py-spy failed: {err.decode(errors='replace')[-300:]}"}
+    error = _stop_py_spy(spy_proc, raw)
+    if error is not None:
+        return {"error": error}
     return {
         "raw": str(raw),
         "turns": (last - grown) * len(agents),
@@ -785,14 +780,9 @@ async def section_profile(
             **load,
         )
         turns += len(result.calls)
-    spy_proc.send_signal(signal.SIGINT)
-    try:
-        _, err = spy_proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        spy_proc.kill()
-        err = b"timeout"
-    if not raw.is_file():
-        return {"error": f"py-spy failed: {err.decode(errors='replace')[-300:]}"}
+    error = _stop_py_spy(spy_proc, raw)
+    if error is not None:
+        return {"error": error}
     return {
         "raw": str(raw),
         "turns": turns,
@@ -801,6 +791,19 @@ async def section_profile(
         "tokens_per_turn": sizes.stream_reply_tokens if paced else sizes.reply_tokens,
         "top": summarize_profile(raw),
     }
+
+
+def _stop_py_spy(spy_proc: subprocess.Popen[bytes], raw: Path) -> str | None:
+    """Stop a recording py-spy; why it wrote no profile, if it did not."""
+    spy_proc.send_signal(signal.SIGINT)
+    try:
+        _, err = spy_proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy_proc.kill()
+        err = b"timeout"
+    if not raw.is_file():
+        return f"py-spy failed: {err.decode(errors='replace')[-300:]}"
+    return None
 
 
 def _start_py_spy(pid: int, raw: Path) -> subprocess.Popen[bytes] | None:
