@@ -15,10 +15,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY rollout_relay ./rollout_relay
 COPY proxy ./proxy
 COPY relay ./relay
 COPY worker_client ./worker_client
 COPY sdk ./sdk
+COPY deploy ./deploy
 # The hf extra takes torch's CPU build first: resolved from PyPI alone, torch is a CUDA build
 # of several GB. The vllm extra brings the CUDA build vLLM pins. DL3013: the project itself
 # is installed from this directory; its dependencies' ranges live in pyproject.toml.

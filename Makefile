@@ -1,7 +1,7 @@
 # The targets people expect. `make test` and `make demo` set everything up first.
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := proxy relay worker_client sdk bench
+PACKAGES := rollout_relay proxy relay worker_client sdk deploy bench
 
 .PHONY: setup check lint typecheck test test-harbor test-vllm demo train up bench clean
 

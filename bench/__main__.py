@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    from proxy.cli import ensure_tiny_model
+    from rollout_relay.cli import ensure_tiny_model
 
     model_dir = ensure_tiny_model(args.model)
     sizes = Sizes.quick() if args.quick else Sizes()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.agents import Target, run_load
 from bench.harness import PACED_MODEL, wait_for_model
-from bench.processes import Processes, wait_http
+from bench.processes import Processes, cli_module, wait_http
 
 MODES = ("streamed", "whole", "grouped")
 
@@ -137,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     for checkout in args.checkouts:
-        if not (checkout / "proxy" / "cli.py").is_file():
-            parser.error(f"{checkout} is not a checkout of rollout-relay (no proxy/cli.py)")
+        if not cli_module(checkout):
+            parser.error(f"{checkout} is not a checkout of rollout-relay (no command line)")
     try:
         streams = [int(n) for n in args.streams.split(",")]
     except ValueError:
         parser.error("--streams takes whole numbers separated by commas")
-    from proxy.cli import ensure_tiny_model
+    from rollout_relay.cli import ensure_tiny_model
 
     model_dir = ensure_tiny_model(args.model)
     cells: list[Cell] = []

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from proxy.config import ProxyConfig
-from proxy.embedded import start_hf_worker, start_proxy
+from rollout_relay.embedded import start_hf_worker, start_proxy
 from sdk.client import ProxyClient
 from sdk.fidelity import check_fidelity, check_fidelity_by_version
 from worker_client.backends.hf import HFEngine

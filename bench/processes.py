@@ -100,6 +100,16 @@ class Proc:
             return ""
 
 
+def cli_module(checkout: Path) -> str:
+    """The module that runs ``rollout-relay`` in ``checkout``: ``rollout_relay.cli``, or
+    ``proxy.cli`` in checkouts from before the command line left the proxy's package (for
+    ``bench.compare`` against older code); empty when it is neither."""
+    for module in ("rollout_relay.cli", "proxy.cli"):
+        if (checkout / (module.replace(".", "/") + ".py")).is_file():
+            return module
+    return ""
+
+
 class Processes:
     """The processes of one benchmark run; everything is stopped on exit.
 
@@ -110,6 +120,7 @@ class Processes:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rollout-relay-bench-"))
         self.checkout = checkout
         self.procs: list[Proc] = []
+        self.cli = cli_module(checkout or REPO)
 
     def __enter__(self) -> Processes:
         return self
@@ -158,7 +169,7 @@ class Processes:
             [
                 sys.executable,
                 "-m",
-                "proxy.cli",
+                self.cli,
                 "--log-level",
                 "WARNING",
                 "proxy",
@@ -196,7 +207,7 @@ class Processes:
             [
                 sys.executable,
                 "-m",
-                "proxy.cli",
+                self.cli,
                 "--log-level",
                 "WARNING",
                 "worker",

@@ -22,9 +22,7 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     │   │                               many sessions (Retry-After)
     │   └── StorageError            503 the session store cannot commit (or, at startup,
     │                                   open) what must be durable
-    ├── ConfigurationError          startup: unusable settings (TLS files); never on the wire
-    └── DeployError                 `rollout-relay deploy`: bad manifests or options, no
-                                        cluster, the cluster refused; never on the wire
+    └── ConfigurationError          startup: unusable settings (TLS files); never on the wire
 """
 
 from __future__ import annotations
@@ -122,8 +120,3 @@ class StorageError(ServiceUnavailableError):
     could not be opened at startup."""
 
     code = "storage_unavailable"
-
-
-class DeployError(ProxyError):
-    """``rollout-relay deploy`` cannot go on: manifests or options it cannot render, no
-    reachable cluster, or the cluster refused a change. The message says which."""

@@ -1,6 +1,6 @@
 """The ``rollout-relay demo`` episode: a small tool-using agent driven through the official
 ``openai`` client against a trial's base URL, and a description of what a trainer gets.
-(``proxy.demo`` starts the proxy and the worker the episode runs against.)
+(``rollout_relay.demo`` starts the proxy and the worker the episode runs against.)
 
 The agent's tools run locally and are harmless: they read a scratch workspace and never
 run a shell (the tiny model's output is random, so its commands are not trusted).

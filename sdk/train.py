@@ -13,7 +13,7 @@ Each step: the trainer's weights are pushed (``POST /weights``, version = step),
 episode per prompt runs through the proxy, the recorded logprobs of every sampled token
 are compared with the trainer's own teacher forcing (the on-policy gap) and the tokens'
 versions with the step, then TRL takes one optimizer step. The figures per step go to
-``<out>/train.json`` and a plot to ``<out>/train.png``. (``proxy.train`` starts the proxy
+``<out>/train.json`` and a plot to ``<out>/train.png``. (``rollout_relay.train`` starts the proxy
 and the worker this runs against.)
 """
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 from tests.scripted_policy import ScriptedEngine
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from deploy.render import PROXY, build, find
 from proxy.app import build_app
-from proxy.cli import build_parser
 from proxy.config import ProxyConfig
-from proxy.deploy.render import PROXY, build, find
+from rollout_relay.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError
 
+from deploy.render import PROXY, SERVICE, WORKER, DeployOptions, build, customize, find
 from proxy.app import build_app
-from proxy.cli import build_parser
 from proxy.config import ProxyConfig
-from proxy.deploy.render import PROXY, SERVICE, WORKER, DeployOptions, build, customize, find
 from relay.cluster import ClusterError, validate_peers
+from rollout_relay.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = ["base", "overlays/dev", "overlays/prod"]

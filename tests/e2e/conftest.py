@@ -14,7 +14,7 @@ import pytest
 from proxy.appkeys import POOL
 from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
 from tests.scripted_worker import PacedScriptedEngine, serve_scripted
 
@@ -29,7 +29,7 @@ IN_PROCESS_STREAMS = CoalesceMode.OFF
 
 def worker_command(proxy_url: str, model: str | Path, *options: str) -> list[str]:
     """``rollout-relay worker`` as a separate process (the real CLI)."""
-    cli = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "worker"]
+    cli = [sys.executable, "-m", "rollout_relay.cli", "--log-level", "WARNING", "worker"]
     return [*cli, "--proxy", proxy_url, "--model", str(model), *options]
 
 

@@ -27,7 +27,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
 from sdk.samples import build_samples

@@ -20,9 +20,9 @@ from proxy.api.anthropic.models import MessagesRequest
 from proxy.api.anthropic.routes import content_blocks, signature_check
 from proxy.appkeys import POOL, SERVICE
 from proxy.chat.messages import ChatMessage, ToolCall, extend_key
-from proxy.embedded import RunningProxy
 from proxy.exceptions import UpstreamError
 from proxy.service import TextDelta, TurnEvent, TurnResult, TurnService
+from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.demo import TOOLS
 from sdk.fidelity import check_fidelity

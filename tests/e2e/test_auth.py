@@ -23,7 +23,7 @@ import trustme
 
 from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.exceptions import ProxyAuthError
 from tests.e2e.conftest import TIMEOUT_FACTOR, wait_until_joined, worker_command

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.appkeys import SESSIONS
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 
 pytestmark = pytest.mark.e2e

@@ -22,8 +22,8 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import MODELS, POOL
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
 from relay import protocol
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.scripted_worker import LONG_STORY, PacedScriptedEngine

@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from sdk.fidelity import check_fidelity
 from tests.e2e.conftest import TIMEOUT_FACTOR

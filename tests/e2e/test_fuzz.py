@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 
 pytestmark = pytest.mark.e2e
 

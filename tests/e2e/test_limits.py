@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError
 from tests.e2e.conftest import TIMEOUT_FACTOR

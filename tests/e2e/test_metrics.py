@@ -8,7 +8,7 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient
 
 pytestmark = pytest.mark.e2e

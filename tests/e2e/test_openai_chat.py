@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import POOL
 from proxy.chat.template_check import SHAPES
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient
 from sdk.demo import TOOLS
 from tests.e2e.conftest import TIMEOUT_FACTOR

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from proxy.appkeys import POOL
-from proxy.embedded import RunningProxy
 from relay.pool import PoolLimits
+from rollout_relay.embedded import RunningProxy
 from tests.e2e.conftest import TIMEOUT_FACTOR
 
 pytestmark = pytest.mark.e2e

@@ -70,7 +70,7 @@ def processes(
     tiny_model_dir: Path, tmp_path: Path
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
-    cli = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING"]
+    cli = [sys.executable, "-m", "rollout_relay.cli", "--log-level", "WARNING"]
     env = os.environ | {"RELAY_WORKER_TOKEN": "w-secret", "RELAY_ADMIN_TOKEN": ADMIN_TOKEN}
     proxy = subprocess.Popen(
         [
@@ -143,7 +143,7 @@ def test_worker_with_wrong_token_is_refused(
         [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "rollout_relay.cli",
             "worker",
             "--proxy",
             f"ws://127.0.0.1:{port}/ws/worker",

@@ -18,8 +18,8 @@ import pytest
 from proxy.appkeys import POOL
 from proxy.cluster import FORWARDED_BY
 from proxy.config import ProxyConfig
-from proxy.embedded import start_proxy
 from relay.cluster import owner
+from rollout_relay.embedded import start_proxy
 from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.e2e.test_processes import _free_port, _status, _wait_until
@@ -42,7 +42,7 @@ class Replica:
         self.args = [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "rollout_relay.cli",
             "--log-level",
             "WARNING",
             "proxy",
@@ -353,7 +353,7 @@ async def test_a_forwarded_request_at_a_replica_that_does_not_own_it_is_421(
 def test_bad_replica_lists_are_refused_at_startup(
     peers: str, public_url: str | None, message: str
 ) -> None:
-    args = [sys.executable, "-m", "proxy.cli", "proxy", "--no-auth", "--port", "0"]
+    args = [sys.executable, "-m", "rollout_relay.cli", "proxy", "--no-auth", "--port", "0"]
     args += ["--peers", peers] + (["--public-url", public_url] if public_url else [])
     done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr

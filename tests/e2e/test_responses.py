@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from proxy.api.responses.models import ResponsesRequest
 from proxy.api.responses.output import ResponseEcho, ResponseHead, ResponseStream
 from proxy.appkeys import POOL
-from proxy.embedded import RunningProxy
 from proxy.exceptions import UpstreamError
+from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
 from tests.scripted_worker import PacedScriptedEngine, tiny_reply

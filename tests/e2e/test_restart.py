@@ -53,7 +53,7 @@ class Proxy:
         self.args = [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "rollout_relay.cli",
             "--log-level",
             "WARNING",
             "up",

@@ -21,7 +21,7 @@ from openai import APITimeoutError, AsyncOpenAI
 from transformers import AutoTokenizer
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from sdk.samples import build_samples
 from tests.e2e.conftest import TIMEOUT_FACTOR

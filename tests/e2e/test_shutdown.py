@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import SESSIONS
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.scripted_worker import LONG_STORY, serve_scripted
@@ -131,7 +131,7 @@ async def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "proxy.cli",
+        "rollout_relay.cli",
         "--log-format",
         "json",
         "proxy",

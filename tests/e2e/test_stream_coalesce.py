@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import POOL, SERVICE
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR, wait_until_joined
 

@@ -12,7 +12,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.scripted_worker import LONG_STORY, PacedScriptedEngine, serve_scripted

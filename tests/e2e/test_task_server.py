@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient
 from sdk.samples import build_samples
 from sdk.taskserver.base import RunSpec, RunStatus

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR, wait_until_joined, worker_command
 from tests.families import family_model, tool_aware_deepseek_v31

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.train import GAP_LIMIT, TrainSettings, train
 from sdk.trl import BackgroundLoop, on_policy_gap
 from tests.e2e.conftest import TIMEOUT_FACTOR

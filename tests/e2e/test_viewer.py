@@ -16,7 +16,7 @@ from PIL import Image
 from playwright.async_api import async_playwright
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import TIMEOUT_FACTOR
 

@@ -23,8 +23,8 @@ from openai import AsyncOpenAI
 
 from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
 from relay.pool import WorkerState
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError
 from sdk.fidelity import check_fidelity, check_fidelity_by_version

@@ -12,8 +12,8 @@ import aiohttp
 
 from proxy.appkeys import SESSIONS
 from proxy.config import ProxyConfig
-from proxy.embedded import start_proxy
 from proxy.sessions.store import DB_NAME
+from rollout_relay.embedded import start_proxy
 from tests.e2e.conftest import TIMEOUT_FACTOR
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.embedded import RunningProxy
+from rollout_relay.embedded import RunningProxy
 from sdk.agent_loop import AgentLoopConfig, AttemptState, RemoteAgentLoop
 from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError, RemoteAgentLoopError, SessionNotFoundError

@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError

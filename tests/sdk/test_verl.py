@@ -24,7 +24,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 import sdk.verl
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.fidelity import check_fidelity
 from sdk.harbor_dataset import write_verl_dataset
 from sdk.taskserver.server import TaskServerConfig, start_task_server

@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 
 from proxy.appkeys import POOL, WEIGHTS
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
 from relay import protocol
 from relay.exceptions import RelayError, UpdateFailedError, WorkerFailedError
 from relay.pool import (
@@ -29,6 +28,7 @@ from relay.pool import (
     WorkerId,
     WorkerPool,
 )
+from rollout_relay.embedded import RunningProxy, start_proxy
 from worker_client.backends.hf import HFEngine
 from worker_client.backends.instant import InstantEngine
 from worker_client.client import (

@@ -10,8 +10,8 @@ from typing import Any
 
 from proxy.appkeys import POOL
 from proxy.config import ProxyConfig
-from proxy.embedded import start_proxy
 from relay import protocol
+from rollout_relay.embedded import start_proxy
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel

@@ -13,7 +13,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_proxy
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.ray_cluster import ray_cluster, start_tiny_group

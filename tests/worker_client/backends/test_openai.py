@@ -18,9 +18,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
-from proxy.cli import main
 from proxy.config import ProxyConfig
-from proxy.embedded import start_proxy
+from rollout_relay.cli import main
+from rollout_relay.embedded import start_proxy
 from sdk.client import ProxyClient
 from sdk.fidelity import check_fidelity
 from tests.e2e.conftest import wait_until_joined, worker_command

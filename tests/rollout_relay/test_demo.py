@@ -18,7 +18,7 @@ def _demo(tiny_model_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "proxy.cli",
+        "rollout_relay.cli",
         "demo",
         "--port",
         "0",

@@ -19,7 +19,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from proxy.deploy.render import (
+from deploy.exceptions import DeployError
+from deploy.render import (
     PROXY,
     TOKEN_SECRET,
     WORKER,
@@ -28,7 +29,6 @@ from proxy.deploy.render import (
     namespace_of,
     token_secret,
 )
-from proxy.exceptions import DeployError
 
 __all__ = [
     "FIELD_MANAGER",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.deploy.render import (
+from deploy.exceptions import DeployError
+from deploy.render import (
     CONFIG_MAP,
     PROXY,
     WORKER,
@@ -22,7 +23,6 @@ from proxy.deploy.render import (
     render,
     token_secret,
 )
-from proxy.exceptions import DeployError
 
 DEPLOY = default_manifest_dir()
 

@@ -18,9 +18,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from proxy.cli import main
-from proxy.deploy.kube import Status, connect, plan_tokens, status_lines
-from proxy.exceptions import DeployError
+from deploy.exceptions import DeployError
+from deploy.kube import Status, connect, plan_tokens, status_lines
+from rollout_relay.cli import main
 
 RESOURCES = {
     "v1": [

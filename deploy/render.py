@@ -19,7 +19,7 @@ from typing import Any
 import jsonpatch
 import yaml
 
-from proxy.exceptions import DeployError
+from deploy.exceptions import DeployError
 
 __all__ = [
     "CONFIG_MAP",
@@ -73,8 +73,8 @@ _APPLY_ORDER = [
 
 
 def default_manifest_dir() -> Path:
-    """``deploy/`` of the source tree this package runs from."""
-    return Path(__file__).resolve().parents[2] / "deploy"
+    """The folder of this package, which holds the manifests (``base/``, ``overlays/``)."""
+    return Path(__file__).resolve().parent
 
 
 def _load_yaml(path: Path) -> list[Any]:

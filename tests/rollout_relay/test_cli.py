@@ -1,14 +1,16 @@
-"""The CLI's refusal to run the proxy without credentials."""
+"""The command line: its refusal to run the proxy without credentials, its parsing, and
+what it does to the process (the event loop, freezing what is alive)."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from proxy.cli import _secured_config, build_parser, main
 from proxy.coalesce import CoalesceMode
+from rollout_relay.cli import _freeze_alive, _secured_config, build_parser, main
 from tests.families import FIXTURES
 
 
@@ -87,7 +89,7 @@ def test_limits_and_tls_flags_reach_the_config() -> None:
 
 def test_event_loop_defaults_to_uvloop_and_runs_either() -> None:
     """uvloop by default; both loops run a coroutine to completion through the CLI helper."""
-    from proxy.cli import _run_loop
+    from rollout_relay.cli import _run_loop
 
     assert build_parser().parse_args(["proxy"]).event_loop == "uvloop"
     assert build_parser().parse_args(["proxy", "--event-loop", "asyncio"]).event_loop == "asyncio"
@@ -170,7 +172,7 @@ def test_a_worker_chat_template_that_is_not_a_file_is_refused(
 def test_the_tiny_model_is_the_shipped_one_unless_a_model_is_given(tmp_path: Path) -> None:
     """`demo`, `up` and the benchmarks serve the shipped tiny model at once (no training on a
     first run); --model wins over it."""
-    from proxy.cli import ensure_tiny_model
+    from rollout_relay.cli import ensure_tiny_model
     from worker_client.tiny_model import SHIPPED_TINY_MODEL
 
     said: list[str] = []
@@ -185,7 +187,7 @@ def test_without_the_shipped_model_one_is_written_once_with_progress(
 ) -> None:
     """An installation without the shipped files writes the tiny model under the user's
     cache on the first run, saying so and how far its training is, and reuses it after."""
-    import proxy.cli as cli
+    import rollout_relay.cli as cli
     import worker_client.tiny_model as tiny_model
 
     monkeypatch.setattr(tiny_model, "SHIPPED_TINY_MODEL", tmp_path / "missing")
@@ -199,3 +201,13 @@ def test_without_the_shipped_model_one_is_written_once_with_progress(
     said.clear()
     assert cli.ensure_tiny_model(None, said.append) == tmp_path / "home-cache"
     assert said == []
+
+
+def test_freezing_moves_what_is_alive_out_of_later_collections() -> None:
+    before = gc.get_freeze_count()
+    kept = [[i] for i in range(1000)]  # tracked containers alive now
+    try:
+        _freeze_alive()
+        assert gc.get_freeze_count() >= before + len(kept)
+    finally:
+        gc.unfreeze()

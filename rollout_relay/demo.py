@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.config import ProxyConfig
-from proxy.embedded import start_hf_worker, start_proxy
 from proxy.logs import LogFormat, RequestContextFilter, make_formatter
+from rollout_relay.embedded import start_hf_worker, start_proxy
 
 Say = Callable[[str], None]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.deploy.render import DeployOptions, Manifest
+    from deploy.render import DeployOptions, Manifest
 
 __all__ = ["add_deploy_parser", "at_least_one_arg", "count_arg", "run_deploy"]
 
@@ -119,7 +119,7 @@ def add_deploy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _options(args: argparse.Namespace) -> DeployOptions:
-    from proxy.deploy.render import DeployOptions
+    from deploy.render import DeployOptions
 
     return DeployOptions(
         namespace=args.namespace,
@@ -136,8 +136,8 @@ def _options(args: argparse.Namespace) -> DeployOptions:
 
 
 def _overlay_dir(args: argparse.Namespace) -> Path:
-    from proxy.deploy.render import default_manifest_dir
-    from proxy.exceptions import DeployError
+    from deploy.exceptions import DeployError
+    from deploy.render import default_manifest_dir
 
     manifests = args.manifests or default_manifest_dir()
     named = manifests / "overlays" / args.overlay
@@ -151,7 +151,7 @@ def _overlay_dir(args: argparse.Namespace) -> Path:
 
 
 def _connection_lines(objects: list[Manifest]) -> list[str]:
-    from proxy.deploy.render import SERVICE, endpoints, namespace_of
+    from deploy.render import SERVICE, endpoints, namespace_of
 
     where = endpoints(objects)
     namespace = namespace_of(objects)
@@ -165,8 +165,8 @@ def _connection_lines(objects: list[Manifest]) -> list[str]:
 
 
 def _apply(args: argparse.Namespace, objects: list[Manifest]) -> None:
-    from proxy.deploy.kube import connect, plan_tokens
-    from proxy.deploy.render import TOKEN_SECRET, namespace_of
+    from deploy.kube import connect, plan_tokens
+    from deploy.render import TOKEN_SECRET, namespace_of
 
     namespace = namespace_of(objects)
     cluster = connect(args.kubeconfig, args.context)
@@ -197,8 +197,8 @@ def run_deploy(args: argparse.Namespace) -> int:
     try:
         import yaml
 
-        from proxy.deploy.kube import connect, status_lines
-        from proxy.deploy.render import render
+        from deploy.kube import connect, status_lines
+        from deploy.render import render
     except ImportError as exc:
         print(
             f"rollout-relay deploy needs the deploy extra ({exc.name} is missing): "
@@ -206,7 +206,7 @@ def run_deploy(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from proxy.exceptions import DeployError
+    from deploy.exceptions import DeployError
 
     try:
         objects = render(_overlay_dir(args), _options(args))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import main
+from rollout_relay.cli import main
 from tests.e2e.conftest import TIMEOUT_FACTOR
 
 
@@ -20,7 +20,7 @@ def test_train_runs_end_to_end_and_reports_each_step(tiny_model_dir: Path, tmp_p
     """Two steps: a line each with reward, gap and versions, the on-policy verdict, exit
     0, and train.json / train.png in --out."""
     out = tmp_path / "train"
-    command = [sys.executable, "-m", "proxy.cli", "train", "--model", str(tiny_model_dir)]
+    command = [sys.executable, "-m", "rollout_relay.cli", "train", "--model", str(tiny_model_dir)]
     command += ["--steps", "2", "--generations", "2", "--prompts-per-step", "2"]
     command += ["--out", str(out)]
     done = subprocess.run(

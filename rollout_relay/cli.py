@@ -14,10 +14,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from deploy.command import add_deploy_parser, at_least_one_arg, run_deploy
 from proxy.appkeys import MODELS
 from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
-from proxy.deploy.command import add_deploy_parser, at_least_one_arg, run_deploy
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
@@ -455,7 +455,7 @@ def _freeze_alive() -> None:
 
 
 async def _run_proxy(config: ProxyConfig) -> None:
-    from proxy.embedded import start_proxy
+    from rollout_relay.embedded import start_proxy
 
     running = await start_proxy(config)
     # Everything alive now (modules, the app, the sessions restored from the store) lives
@@ -538,7 +538,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
 
 
 async def _up(config: ProxyConfig, model_dir: Path) -> None:
-    from proxy.embedded import start_hf_worker, start_proxy
+    from rollout_relay.embedded import start_hf_worker, start_proxy
 
     running = await start_proxy(config)
     try:
@@ -568,7 +568,7 @@ def _warn_open(why: str, host: str = "127.0.0.1") -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from proxy.demo import run_demo
+    from rollout_relay.demo import run_demo
 
     if args.host not in {"127.0.0.1", "localhost", "::1"}:
         _warn_open("`rollout-relay demo`", args.host)
@@ -599,7 +599,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _console(title: str, name: str, whose: str, *, verbose: bool) -> Callable[[str], None]:
     """What a console command (demo, train) tells its user, line by line: the title now;
     unless ``verbose``, the logs go to a file, and the user is told where."""
-    from proxy.demo import log_to_file
+    from rollout_relay.demo import log_to_file
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -613,7 +613,7 @@ def _console(title: str, name: str, whose: str, *, verbose: bool) -> Callable[[s
 
 
 def _train(args: argparse.Namespace) -> int:
-    from proxy.train import run_train
+    from rollout_relay.train import run_train
 
     # GRPO compares the episodes of a group: two at least.
     for flag, value, least in (

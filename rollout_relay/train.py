@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy.config import ProxyConfig
-from proxy.embedded import RunningProxy, start_hf_worker, start_proxy
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 
 Say = Callable[[str], None]
 

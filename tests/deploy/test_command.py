@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.cli import main
-from proxy.deploy.render import DeployOptions, default_manifest_dir, render
+from deploy.render import DeployOptions, default_manifest_dir, render
+from rollout_relay.cli import main
 
 
 def test_render_prints_what_apply_would_send(capsys: pytest.CaptureFixture[str]) -> None:
