@@ -320,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model family's folder (chat_template.jinja + family.json, e.g. "
         "tests/fixtures/families/qwen3): tiny weights on that family's vocabulary and template",
     )
+    t.add_argument(
+        "--vlm",
+        action="store_true",
+        help="the tiny vision-language model (Qwen3-VL's architecture and template) instead",
+    )
 
     u = sub.add_parser("up", help="proxy + in-process hf worker on the tiny model")
     _proxy_args(u, 8080)
@@ -707,7 +712,11 @@ def main(argv: list[str] | None = None) -> int:
             from worker_client.families import FamilyError, write_family_model
             from worker_client.tiny_model import write_tiny_model
 
-            if args.family is not None:
+            if args.vlm:
+                from worker_client.tiny_vlm import write_tiny_vlm
+
+                path = write_tiny_vlm(args.out_dir, seed=args.seed)
+            elif args.family is not None:
                 try:
                     path = write_family_model(args.out_dir, args.family, seed=args.seed)
                 except FamilyError as exc:

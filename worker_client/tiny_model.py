@@ -485,14 +485,19 @@ def random_model(
     return model
 
 
-def save_atomically(out_dir: Path, model: Any, tokenizer: Any) -> Path:
-    """Save a model and its tokenizer to ``out_dir``, replacing it whole or not at all."""
+def save_atomically(
+    out_dir: Path, model: Any, tokenizer: Any, files: dict[str, str] | None = None
+) -> Path:
+    """Save a model, its tokenizer and ``files`` (name: text) to ``out_dir``, replacing it
+    whole or not at all."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        for name, text in (files or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
