@@ -65,12 +65,26 @@ class TokenChunk:
 
 @dataclass(slots=True, frozen=True)
 class ModelCard:
-    """What a worker announces about a model it serves."""
+    """What a worker announces about a model it serves. ``vision``: it takes images."""
 
     name: str
     max_model_len: int
     logprobs_mode: LogprobsMode
     backend: str
+    vision: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class ImageSpan:
+    """An image in a prompt: its bytes as the agent sent them (PNG, JPEG, WebP, GIF), their
+    sha256, and the half-open range ``[start, end)`` of its placeholder tokens in the prompt
+    ids, which are expanded: one token per image token the model's forward fills with the
+    image's features."""
+
+    sha256: str
+    data: bytes
+    start: int
+    end: int
 
 
 @runtime_checkable

@@ -12,6 +12,13 @@ directory. Design points:
   growing prefix every turn; a prompt that starts with a cached sequence only prefills
   its new tokens.
 * Logprobs follow ``LogprobsMode`` (see ``worker_client.engine``).
+* Vision-language models (a ``config.json`` with a ``vision_config``, e.g. Qwen3-VL) load
+  with ``AutoModelForImageTextToText`` and their own image processor (``AutoImageProcessor``,
+  which needs no torchvision). A prompt's images come with the range of their placeholder
+  tokens (``ImageSpan``); the engine checks each range against the token count its processor
+  gives the image (a mismatch fails the request: the ids would not be what the forward saw),
+  computes the M-RoPE positions once per prompt, never cuts an image across two prefill
+  chunks, and reuses a cached prefix only where its images are the same.
 * New weights load in place (``WeightLoader``): ``stage_weights`` reads a checkpoint the
   trainer wrote (``save_pretrained``) and checks that every parameter has the served
   model's name and shape; ``commit_weights`` copies it into the served model's parameters
@@ -32,6 +39,7 @@ from typing import Any
 
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
@@ -42,6 +50,10 @@ from worker_client.engine import (
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 
 _GREEDY_BELOW = 1e-5
+# Decoded images' pixel values kept by sha256: every turn's history repeats the screenshots.
+_PIXEL_CACHE = 32
+
+ImageKey = tuple[str, int, int]  # sha256, start, end
 
 
 @dataclass(slots=True)
@@ -49,6 +61,34 @@ class _CacheEntry:
     ids: list[int]  # the tokens whose keys/values the cache holds
     cache: Any  # transformers DynamicCache
     last_logits: Any  # logits after the last token of ``ids``
+    images: tuple[ImageKey, ...] = ()  # the images inside ``ids``
+    delta: int = 0  # M-RoPE: a token after the prompt at index i has position i + delta
+
+
+@dataclass(slots=True)
+class _Vision:
+    """What a vision-language model's forward needs for one prompt beside its ids."""
+
+    images: list[tuple[ImageSpan, Any, Any]]  # span, pixel_values, image_grid_thw
+    positions: Any  # (3, 1, len(prompt)) M-RoPE positions
+    delta: int  # a token after the prompt at index i has position i + delta on every axis
+
+    @property
+    def keys(self) -> tuple[ImageKey, ...]:
+        return tuple((span.sha256, span.start, span.end) for span, _, _ in self.images)
+
+    def positions_of(self, lo: int, hi: int) -> Any:
+        """The M-RoPE positions of the tokens at indices ``[lo, hi)``."""
+        import torch
+
+        known = self.positions.shape[-1]
+        if hi <= known:
+            return self.positions[:, :, lo:hi]
+        after = torch.arange(max(lo, known), hi, device=self.positions.device) + self.delta
+        after = after.view(1, 1, -1).expand(3, 1, -1)
+        if lo >= known:
+            return after
+        return torch.cat([self.positions[:, :, lo:known], after], dim=-1)
 
 
 class HFEngine:
@@ -63,10 +103,13 @@ class HFEngine:
         prefill_chunk: int = 2048,
         cache_entries: int = 4,
         device: str = "cpu",
+        image_processor: Any = None,
     ) -> None:
         self.model = model
         self.device = device
-        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf")
+        self.image_processor = image_processor
+        vision = image_processor is not None
+        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", vision=vision)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
         self.cache_entries = cache_entries
@@ -78,6 +121,7 @@ class HFEngine:
         self._aborted: set[str] = set()
         self._running: set[str] = set()
         self._staged: dict[str, Any] | None = None  # a checked checkpoint's tensors
+        self._pixels: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<HFEngine {self._card.name} running={len(self._running)}>"
@@ -92,30 +136,35 @@ class HFEngine:
         max_model_len: int | None = None,
         device: str = "cpu",
     ) -> HFEngine:
-        """Load a Hugging Face causal-LM directory in float32 on ``device`` (``cpu``,
-        ``cuda``, ``cuda:1``, ...)."""
+        """Load a Hugging Face causal-LM or vision-language directory in float32 on
+        ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...)."""
         try:
             import torch
-            from transformers import AutoModelForCausalLM
         except ImportError as exc:  # pragma: no cover - torch is a dependency of [hf]
             raise EngineUnavailableError(f"the hf backend needs torch: {exc}") from None
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise EngineUnavailableError(f"{path} is not a Hugging Face model directory")
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        image_processor = None
+        if is_vision_model(path):
+            from transformers import AutoImageProcessor
+
+            image_processor = AutoImageProcessor.from_pretrained(str(path))  # type: ignore[no-untyped-call]
+        model = _auto_class(path).from_pretrained(str(path), dtype=torch.float32)
         try:
-            model.to(torch.device(device))  # type: ignore[arg-type]  # transformers wraps .to
+            model.to(torch.device(device))
         except (RuntimeError, AssertionError) as exc:  # no such device, or no CUDA build
             raise EngineUnavailableError(f"the hf backend cannot use {device!r}: {exc}") from None
-        model.eval()  # type: ignore[no-untyped-call]
+        model.eval()
         eos: list[int] = []
         generation = path / "generation_config.json"
         if generation.is_file():
             value = json.loads(generation.read_text()).get("eos_token_id")
             eos = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
-        if not eos and isinstance(model.config.eos_token_id, int):
-            eos = [model.config.eos_token_id]
-        window = max_model_len or int(model.config.max_position_embeddings)
+        text_config = model.config.get_text_config()
+        if not eos and isinstance(text_config.eos_token_id, int):
+            eos = [text_config.eos_token_id]
+        window = max_model_len or int(text_config.max_position_embeddings)
         return cls(
             model,
             name=name or path.name,
@@ -123,6 +172,7 @@ class HFEngine:
             eos_token_ids=eos,
             logprobs_mode=logprobs_mode,
             device=device,
+            image_processor=image_processor,
         )
 
     @property
@@ -131,40 +181,128 @@ class HFEngine:
 
     # ------------------------------------------------------------------ torch (executor)
 
-    def _run(self, chunk: Any, cache: Any) -> Any:
+    def _run(self, chunk: Any, cache: Any, **inputs: Any) -> Any:
         """One forward pass on top of ``cache``. transformers renamed the argument from
         ``past_key_values`` to ``cache`` (5.24, the old name deprecated): the model's own
         signature says which one it takes."""
         if self._cache_argument is None:
             names = inspect.signature(self.model.forward).parameters
             self._cache_argument = "cache" if "cache" in names else "past_key_values"
-        return self.model(input_ids=chunk, use_cache=True, **{self._cache_argument: cache})
+        return self.model(
+            input_ids=chunk, use_cache=True, **{self._cache_argument: cache}, **inputs
+        )
 
-    def _forward(self, ids: Sequence[int], cache: Any) -> Any:
-        """Run ``ids`` through the model on top of ``cache``; return the last logits."""
+    def _chunks(
+        self, start: int, stop: int, vision: _Vision | None
+    ) -> list[tuple[int, int, dict[str, Any]]]:
+        """Cut ``[start, stop)`` into prefill chunks, each with what a vision-language
+        forward needs for its tokens: an image is never cut (its features fill all its
+        placeholders in one forward), and the chunk that holds it carries its pixels."""
+        import torch
+
+        cuts: list[tuple[int, int, dict[str, Any]]] = []
+        at = start
+        while at < stop:
+            end = min(at + self.prefill_chunk, stop)
+            inside: list[tuple[ImageSpan, Any, Any]] = []
+            if vision is not None:
+                for image in vision.images:
+                    span = image[0]
+                    if span.start < end and span.end > at:  # it overlaps this chunk
+                        end = max(end, span.end)
+                        inside.append(image)
+            inputs: dict[str, Any] = {}
+            if vision is not None:
+                inputs["position_ids"] = vision.positions_of(at, end)
+            if inside:
+                inputs["pixel_values"] = torch.cat([pixels for _, pixels, _ in inside])
+                inputs["image_grid_thw"] = torch.cat([grid for _, _, grid in inside])
+            cuts.append((at, end, inputs))
+            at = end
+        return cuts
+
+    def _forward(
+        self, ids: Sequence[int], cache: Any, start: int = 0, vision: _Vision | None = None
+    ) -> Any:
+        """Run ``ids[start:]`` through the model on top of ``cache`` (which holds
+        ``ids[:start]``); return the last logits."""
         import torch
 
         logits = None
         with torch.inference_mode():
-            for start in range(0, len(ids), self.prefill_chunk):
-                chunk = torch.tensor(
-                    [list(ids[start : start + self.prefill_chunk])], device=self.device
-                )
-                out = self._run(chunk, cache)
+            for lo, hi, inputs in self._chunks(start, len(ids), vision):
+                chunk = torch.tensor([list(ids[lo:hi])], device=self.device)
+                out = self._run(chunk, cache, **inputs)
                 logits = out.logits[0, -1].float()
         return logits
 
-    def _take_cache(self, prompt: Sequence[int]) -> _CacheEntry:
-        """The cached entry sharing the longest prefix with ``prompt``, cropped to it (at
-        least one prompt token is always left to run), or a fresh cache."""
+    def _vision(self, prompt: Sequence[int], images: Sequence[ImageSpan]) -> _Vision:
+        """Each image's pixels, checked against its place in ``prompt``, and the prompt's
+        M-RoPE positions (computed by the model itself)."""
+        import torch
+
+        image_token = int(self.model.config.image_token_id)
+        merge = int(self.image_processor.merge_size) ** 2
+        expected = [i for i, token in enumerate(prompt) if token == image_token]
+        covered = [i for span in images for i in range(span.start, span.end)]
+        if sorted(covered) != expected:
+            raise EngineError(
+                f"the prompt's {len(expected)} image tokens are not where its "
+                f"{len(images)} image(s) say they are"
+            )
+        loaded = []
+        for span in sorted(images, key=lambda s: s.start):
+            pixels, grid = self._pixel_values(span)
+            tokens = int(grid.prod()) // merge
+            if tokens != span.end - span.start:
+                raise EngineError(
+                    f"image {span.sha256[:12]} takes {tokens} tokens with this model's image "
+                    f"processor; the prompt holds {span.end - span.start} for it"
+                )
+            loaded.append((span, pixels, grid))
+        input_ids = torch.tensor([list(prompt)], device=self.device)
+        types = (input_ids == image_token).int()
+        grids = torch.cat([grid for _, _, grid in loaded]) if loaded else None
+        positions, deltas = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=types, image_grid_thw=grids
+        )
+        return _Vision(loaded, positions, int(deltas.reshape(-1)[0]))
+
+    def _pixel_values(self, span: ImageSpan) -> tuple[Any, Any]:
+        """The image's pixel values and grid from the model's own processor, cached by
+        hash (the history of every turn repeats its screenshots)."""
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        cached = self._pixels.get(span.sha256)
+        if cached is not None:
+            self._pixels.move_to_end(span.sha256)
+            return cached
+        try:
+            with Image.open(io.BytesIO(span.data)) as opened:
+                image = opened.convert("RGB")  # a GIF's first frame, as it is opened
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise EngineError(f"image {span.sha256[:12]} cannot be decoded: {exc}") from None
+        out = self.image_processor(images=[image], return_tensors="pt")
+        result = (out["pixel_values"].to(self.device), out["image_grid_thw"].to(self.device))
+        self._pixels[span.sha256] = result
+        while len(self._pixels) > _PIXEL_CACHE:
+            self._pixels.popitem(last=False)
+        return result
+
+    def _take_cache(self, prompt: Sequence[int], images: tuple[ImageKey, ...]) -> _CacheEntry:
+        """The cached entry sharing the longest prefix with ``prompt`` (its images the
+        same, none cut), cropped to it (at least one prompt token is always left to run),
+        or a fresh cache."""
         from transformers import DynamicCache
 
         best_key, best_len = None, 0
         for key, entry in self._caches.items():
-            n = _common_prefix(entry.ids, prompt)
+            n = _shared_prefix(entry.ids, entry.images, prompt, images)
             if n > best_len:
                 best_key, best_len = key, n
-        best_len = min(best_len, len(prompt) - 1)
+        best_len = _uncut(min(best_len, len(prompt) - 1), images)
         if best_key is None or best_len <= 0:
             return _CacheEntry([], DynamicCache(config=self.model.config), None)
         entry = self._caches.pop(best_key)
@@ -173,11 +311,14 @@ class HFEngine:
             entry.ids = entry.ids[:best_len]
         return entry
 
-    def _prefill(self, prompt: Sequence[int]) -> _CacheEntry:
-        entry = self._take_cache(prompt)
-        rest = prompt[len(entry.ids) :]
-        entry.last_logits = self._forward(rest, entry.cache)
+    def _prefill(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> _CacheEntry:
+        vision = self._vision(prompt, images) if self.image_processor is not None else None
+        keys = vision.keys if vision is not None else ()
+        entry = self._take_cache(prompt, keys)
+        entry.last_logits = self._forward(prompt, entry.cache, len(entry.ids), vision)
         entry.ids = list(prompt)
+        entry.images = keys
+        entry.delta = vision.delta if vision is not None else 0
         return entry
 
     def _keep(self, entry: _CacheEntry) -> None:
@@ -216,18 +357,36 @@ class HFEngine:
         token, logprob = self._sample(entry.last_logits, sampling, generator)
         stop = token in self.eos_token_ids or token in sampling.stop_token_ids
         if not stop and not last:
-            entry.last_logits = self._forward([token], entry.cache)
             entry.ids.append(token)
+            entry.last_logits = self._forward(
+                entry.ids, entry.cache, len(entry.ids) - 1, self._decoding(entry)
+            )
         return token, logprob, stop
+
+    def _decoding(self, entry: _CacheEntry) -> _Vision | None:
+        """What a vision-language model needs to run a sampled token: only its position
+        (text after the prompt moves every M-RoPE axis by one)."""
+        if self.image_processor is None:
+            return None
+        import torch
+
+        return _Vision([], torch.zeros((3, 1, 0), dtype=torch.long), entry.delta)
 
     # ------------------------------------------------------------------ Engine
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
+        """Stream one request's tokens; ``images`` sit in ``prompt_ids`` where they say."""
         import torch
 
         room = check_prompt(self._card, prompt_ids)
+        if images and self.image_processor is None:
+            raise EngineError(f"{self._card.name} does not take images")
         limit = min(sampling.max_tokens, room)
         loop = asyncio.get_running_loop()
         self._running.add(request_id)
@@ -237,7 +396,7 @@ class HFEngine:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
                 entry = await loop.run_in_executor(
-                    self._executor, self._prefill, id_list(prompt_ids)
+                    self._executor, self._prefill, id_list(prompt_ids), images
                 )
                 generator = torch.Generator(device=self.device)
                 if sampling.seed is not None:
@@ -286,13 +445,12 @@ class HFEngine:
         """The parameters of the checkpoint at ``path``, checked against the served model:
         the same names and shapes (a checkpoint of another architecture is refused)."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         root = Path(path)
         if not (root / "config.json").is_file():
             raise WeightsError(f"{path} is not a Hugging Face model directory (no config.json)")
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+            loaded = _auto_class(root).from_pretrained(str(root), dtype=torch.float32)
         except Exception as exc:  # transformers raises many kinds for unreadable files
             raise WeightsError(f"{path} does not load: {type(exc).__name__}: {exc}") from None
         mine, theirs = self.model.config, loaded.config
@@ -346,22 +504,32 @@ class HFEngine:
 
     # ------------------------------------------------------------------ scoring
 
-    def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> list[float]:
-        """Teacher-forced RAW logprob of each response token given everything before it."""
+    def score(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        images: Sequence[ImageSpan] = (),
+    ) -> list[float]:
+        """Teacher-forced RAW logprob of each response token given everything before it
+        (and the prompt's images, where they say they are)."""
         import torch
         from transformers import DynamicCache
 
         if not prompt_ids:
             raise EngineError("scoring needs at least one prompt token")
+        if images and self.image_processor is None:
+            raise EngineError(f"{self._card.name} does not take images")
         ids = [*prompt_ids, *response_ids]
         first = len(prompt_ids) - 1  # position whose logits predict response_ids[0]
+        vision = None
+        if self.image_processor is not None:
+            vision = self._vision(prompt_ids, images)
         cache = DynamicCache(config=self.model.config)
         out: list[float] = []
         with torch.inference_mode():
-            for start in range(0, len(ids) - 1, self.prefill_chunk):
-                end = min(start + self.prefill_chunk, len(ids) - 1)
+            for start, end, inputs in self._chunks(0, len(ids) - 1, vision):
                 chunk = torch.tensor([ids[start:end]], device=self.device)
-                logits = self._run(chunk, cache).logits[0]
+                logits = self._run(chunk, cache, **inputs).logits[0]
                 if end <= first:
                     continue
                 lo = max(first, start)
@@ -369,6 +537,45 @@ class HFEngine:
                 targets = torch.tensor(ids[lo + 1 : end + 1], device=self.device)
                 out.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
         return out
+
+
+def is_vision_model(model_dir: Path) -> bool:
+    """Whether the Hugging Face directory holds a vision-language model (its configuration
+    has a vision tower)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def _auto_class(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+
+
+def _shared_prefix(
+    ids: Sequence[int],
+    images: tuple[ImageKey, ...],
+    prompt: Sequence[int],
+    prompt_images: tuple[ImageKey, ...],
+) -> int:
+    """How many leading tokens of a cached sequence a prompt can reuse: the same ids, and
+    before that point the same images in the same places (an image's placeholder ids are
+    the same whatever the image)."""
+    n = _common_prefix(ids, prompt)
+    for start in {key[1] for key in set(images) ^ set(prompt_images)}:
+        n = min(n, start)
+    return n
+
+
+def _uncut(n: int, images: tuple[ImageKey, ...]) -> int:
+    """``n``, or less so that no image is cut: its placeholders are prefilled together."""
+    for _, start, end in images:
+        if start < n < end:
+            n = start
+    return n
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
