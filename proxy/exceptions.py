@@ -7,8 +7,10 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     ├── BadRequestError             400 invalid_request_error
     │   ├── ContextLengthError      400 prompt + completion exceed the context window
     │   ├── TemplateError           400 the chat template rejected the messages
-    │   └── ToolsUnsupportedError   400 the model's template drops tools and no listing
-    │                                   of its family puts them in the prompt
+    │   ├── ToolsUnsupportedError   400 the model's template drops tools and no listing
+    │   │                               of its family puts them in the prompt
+    │   └── ImageError              400 an image that cannot be taken: not an image, a
+    │                                   format or size past the limits, a URL not allowed
     ├── AuthenticationError         401 missing or invalid credential
     ├── PermissionDeniedError       403 credential of the wrong kind or for another trial
     ├── NotFoundError               404 unknown trial, model or route
@@ -58,6 +60,13 @@ class ToolsUnsupportedError(BadRequestError):
     family with no known listing: refused rather than sampled without the tools."""
 
     code = "tools_unsupported"
+
+
+class ImageError(BadRequestError):
+    """An image in a request that the proxy will not take; ``code`` says why and the message
+    names the image. Nothing of the request is recorded."""
+
+    code = "invalid_image"
 
 
 class AuthenticationError(ProxyError):

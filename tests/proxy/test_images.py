@@ -1,0 +1,282 @@
+"""Images taken or refused before anything is recorded: formats, strict base64, limits on
+bytes, pixels and count, corrupt data, and URLs fetched only from allowed hosts, redirects
+included."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from proxy.exceptions import ImageError
+from proxy.images import (
+    ImageChecker,
+    ImageFetcher,
+    ImageLimits,
+    MediaType,
+    parse_data_url,
+)
+
+
+def encoded(size: tuple[int, int] = (64, 48), fmt: str = "PNG", frames: int = 1) -> bytes:
+    images = [Image.new("RGB", size, (40 * i, 90, 200)) for i in range(frames)]
+    for x in range(size[0]):  # not one colour: an image of some bytes, which cut is corrupt
+        images[0].putpixel((x, (x * 7) % size[1]), (x % 256, 255 - x % 256, 17))
+    out = io.BytesIO()
+    if frames > 1:
+        images[0].save(out, format=fmt, save_all=True, append_images=images[1:])
+    else:
+        images[0].save(out, format=fmt)
+    return out.getvalue()
+
+
+def checker(**limits: int) -> ImageChecker:
+    return ImageChecker(ImageLimits(**limits))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "media_type"),
+    [
+        ("PNG", MediaType.PNG),
+        ("JPEG", MediaType.JPEG),
+        ("WEBP", MediaType.WEBP),
+        ("GIF", MediaType.GIF),
+    ],
+)
+def test_the_four_formats_are_taken_as_sent(fmt: str, media_type: MediaType) -> None:
+    """PNG, JPEG, WebP and GIF are taken with their size, their media type read from the
+    bytes, and the bytes kept exactly (their sha256 names the image)."""
+    data = encoded((64, 48), fmt)
+    image = checker().check(data)
+    assert (image.media_type, image.width, image.height) == (media_type, 64, 48)
+    assert image.data == data
+    assert image.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_an_animated_gif_is_taken() -> None:
+    """An animated GIF is an image (engines read its first frame)."""
+    assert checker().check(encoded(fmt="GIF", frames=3)).media_type is MediaType.GIF
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "TIFF"])
+def test_other_formats_are_refused(fmt: str) -> None:
+    """Formats not every engine reads are refused, saying which formats are taken."""
+    with pytest.raises(ImageError, match="PNG, JPEG, WebP or GIF") as caught:
+        checker().check(encoded(fmt=fmt))
+    assert caught.value.code == "unsupported_image_format"
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"this is text, not an image", "not an image"),
+        (encoded()[: len(encoded()) // 2], "corrupt"),
+        (b"", "not an image"),
+    ],
+    ids=["text", "truncated", "empty"],
+)
+def test_bytes_that_are_no_whole_image_are_refused(data: bytes, match: str) -> None:
+    """Bytes that are not an image, and an image cut short, are refused."""
+    with pytest.raises(ImageError, match=match) as caught:
+        checker().check(data)
+    assert caught.value.code == "invalid_image"
+
+
+def test_the_limits_on_bytes_pixels_and_count() -> None:
+    """An image over the byte or pixel limit, and a request over the count, are refused
+    with the limit named; at the limits they are taken."""
+    data = encoded((64, 48))
+    assert checker(max_bytes=len(data)).check(data).width == 64
+    with pytest.raises(ImageError, match=f"limit of {len(data) - 1}") as caught:
+        checker(max_bytes=len(data) - 1).check(data)
+    assert caught.value.code == "image_too_large"
+    assert checker(max_pixels=64 * 48).check(data).height == 48
+    with pytest.raises(ImageError, match="64x48 pixels") as caught:
+        checker(max_pixels=64 * 48 - 1).check(data)
+    assert caught.value.code == "image_too_large"
+    checker(max_images=3).check_count(3)
+    with pytest.raises(ImageError, match="4 images") as caught:
+        checker(max_images=3).check_count(4)
+    assert caught.value.code == "too_many_images"
+
+
+def test_the_pixel_limit_is_read_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header that claims too many pixels is refused without decoding the image."""
+    from PIL import ImageFile
+
+    data = encoded((640, 480))
+    decoded: list[bool] = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(True))
+    with pytest.raises(ImageError, match="over the limit"):
+        checker(max_pixels=100).check(data)
+    assert decoded == []
+
+
+def test_an_image_seen_before_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes in a later turn's history are taken from memory, not decoded again;
+    other bytes are, and the memory keeps only the most recent images."""
+    opened: list[int] = []
+    real = Image.open
+
+    def counting(*args: object, **kwargs: object) -> Image.Image:
+        opened.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    first, second, third = encoded((10, 10)), encoded((11, 11)), encoded((12, 12))
+    monkeypatch.setattr(Image, "open", counting)
+    memory = ImageChecker(ImageLimits(), memory=2)
+    for data in (first, first, second, first, third, first, second):
+        memory.check(data)
+    # first, second, (first remembered), third evicts second, (first), second again.
+    assert len(opened) == 4
+
+
+@pytest.mark.parametrize(
+    ("url", "media", "match"),
+    [
+        ("data:image/png;base64,!!notbase64!!", None, "base64 data is not valid"),
+        ("data:image/png;base64,iVBORw0KGgo", None, "base64 data is not valid"),
+        ("data:image/png,rawbytes", None, "must be base64"),
+        ("image/png;base64,AAAA", None, "must look like"),
+    ],
+)
+def test_bad_data_urls_are_refused(url: str, media: str | None, match: str) -> None:
+    """A data URL that is not strict base64 (bad characters, bad padding) or not base64
+    at all is refused, not decoded into other bytes."""
+    with pytest.raises(ImageError, match=match):
+        parse_data_url(url)
+
+
+def test_a_data_url_gives_its_bytes() -> None:
+    """A good data URL gives the declared type and exactly the encoded bytes."""
+    data = encoded()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert parse_data_url(url) == ("image/png", data)
+
+
+@dataclass
+class ImageHost:
+    """A loopback server with an image, redirects and a slow path; counts what it served."""
+
+    served: list[str] = field(default_factory=list)
+    port: int = 0
+
+
+@pytest.fixture
+async def host() -> AsyncIterator[ImageHost]:
+    state = ImageHost()
+    data = encoded()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state.served.append(f"{request.host.split(':')[0]}{request.path}")
+        path = request.path
+        if path == "/shot.png":
+            return web.Response(body=data, content_type="image/png")
+        if path.startswith("/to/"):  # /to/<host>/<path>
+            _, _, target_host, rest = path.split("/", 3)
+            raise web.HTTPFound(f"http://{target_host}:{state.port}/{rest}")
+        if path == "/loop":
+            raise web.HTTPFound("/loop")
+        if path == "/big":
+            return web.Response(body=b"\0" * 100_000, content_type="image/png")
+        if path == "/slow":
+            await asyncio.sleep(30)
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield state
+    await runner.cleanup()
+
+
+def fetcher(allow: list[str], **kwargs: float) -> ImageFetcher:
+    return ImageFetcher(allow, ImageChecker(ImageLimits(max_bytes=50_000)), **kwargs)  # type: ignore[arg-type]
+
+
+async def test_an_allowed_host_is_fetched(host: ImageHost) -> None:
+    """An image URL on an allowed host is fetched and checked like inline data."""
+    image = await fetcher(["127.0.0.1"]).fetch(f"http://127.0.0.1:{host.port}/shot.png")
+    assert (image.width, image.height, image.media_type) == (64, 48, MediaType.PNG)
+    assert host.served == ["127.0.0.1/shot.png"]
+
+
+@pytest.mark.parametrize(
+    "make_url",
+    [
+        lambda port: f"http://localhost:{port}/shot.png",
+        lambda port: f"ftp://127.0.0.1:{port}/shot.png",
+        lambda port: "file:///etc/passwd",
+    ],
+    ids=["other-host", "other-scheme", "file"],
+)
+async def test_nothing_is_sent_to_a_host_not_allowed(
+    host: ImageHost, make_url: Callable[[int], str]
+) -> None:
+    """A URL on a host (or scheme) not allowed is refused without a single request."""
+    with pytest.raises(ImageError, match="--image-url-allow") as caught:
+        await fetcher(["127.0.0.1"]).fetch(make_url(host.port))
+    assert caught.value.code == "image_url_not_allowed"
+    assert host.served == []
+
+
+async def test_no_url_is_fetched_unless_hosts_are_allowed(host: ImageHost) -> None:
+    """With no host allowed (the default) no URL is fetched."""
+    with pytest.raises(ImageError, match="not fetched"):
+        await fetcher([]).fetch(f"http://127.0.0.1:{host.port}/shot.png")
+    assert host.served == []
+
+
+async def test_a_redirect_to_a_host_not_allowed_is_not_followed(host: ImageHost) -> None:
+    """A redirect is followed only to an allowed host: one to another host ends the fetch
+    before that host is asked anything."""
+    url = f"http://127.0.0.1:{host.port}/to/localhost/shot.png"
+    with pytest.raises(ImageError, match="redirects to http://localhost") as caught:
+        await fetcher(["127.0.0.1"]).fetch(url)
+    assert caught.value.code == "image_url_not_allowed"
+    assert host.served == ["127.0.0.1/to/localhost/shot.png"]
+    image = await fetcher(["127.0.0.1", "localhost"]).fetch(url)
+    assert image.width == 64
+    assert host.served[-1] == "localhost/shot.png"
+
+
+async def test_a_subdomain_pattern_allows_subdomains_only() -> None:
+    """A leading dot allows every subdomain of the name, not look-alike names."""
+    from yarl import URL
+
+    allowed = fetcher([".images.example.org"])
+    assert allowed.allows(URL("https://cdn.images.example.org/a.png"))
+    assert not allowed.allows(URL("https://evilimages.example.org/a.png"))
+    assert not allowed.allows(URL("https://images.example.org.evil.net/a.png"))
+
+
+@pytest.mark.parametrize(
+    ("path", "match", "code"),
+    [
+        ("/big", "over the limit of 50000 bytes", "image_too_large"),
+        ("/missing.png", "answered 404", "image_fetch_failed"),
+        ("/loop", "more than 3 times", "image_fetch_failed"),
+        ("/slow", "could not be fetched", "image_fetch_failed"),
+    ],
+)
+async def test_fetch_limits(host: ImageHost, path: str, match: str, code: str) -> None:
+    """A body over the byte limit, an error status, endless redirects and a slow host each
+    end the fetch with a clear error."""
+    with pytest.raises(ImageError, match=match) as caught:
+        await fetcher(["127.0.0.1"], timeout_seconds=0.5).fetch(
+            f"http://127.0.0.1:{host.port}{path}?token=secret"
+        )
+    assert caught.value.code == code
+    assert "secret" not in caught.value.message
