@@ -2,8 +2,9 @@
 
 Sessions recognise that a request continues an earlier context by hashing messages, not
 by storing them: a session keeps one 16-byte digest per turn instead of every turn's
-message list. The canonical form keeps what a chat template renders (role, text, tool
-calls with their arguments as canonical JSON, the tool-call id a tool result answers)
+message list. The canonical form keeps what a chat template renders (role, text, images by
+the hash of their bytes and in their places, tool calls with their arguments as canonical
+JSON, the tool-call id a tool result answers)
 and drops what clients rewrite freely (``null`` vs ``""`` content, whitespace inside
 argument JSON, key order, tool-call ids on assistant messages). An assistant message's
 reasoning is outside the hash too: agents send it back or drop it as they please, and
@@ -35,6 +36,17 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False):
     arguments: str  # a JSON object as text, exactly as the client sees it
 
 
+class ImagePart(msgspec.Struct, frozen=True, gc=False):
+    """An image in a message, named by the sha256 of its bytes as the agent sent them (the
+    bytes themselves travel beside the messages, once per image). Its size decides how many
+    tokens a vision-language model gives it."""
+
+    sha256: str
+    media_type: str
+    width: int
+    height: int
+
+
 class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: Role
     content: str = ""
@@ -43,6 +55,13 @@ class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     name: str | None = None
     # An assistant message's reasoning, as the agent sent it (no other role has one).
     reasoning: str | None = None
+    # A message with images: its text and images in order (``content`` is its text alone).
+    # Empty for a message of text only.
+    parts: tuple[str | ImagePart, ...] = ()
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        return tuple(part for part in self.parts if isinstance(part, ImagePart))
 
     def template_dict(self, *, string_arguments: bool = False) -> dict[str, Any]:
         """The message as Hugging Face chat templates expect it. Tool-call arguments are
@@ -53,6 +72,13 @@ class ChatMessage(msgspec.Struct, frozen=True, gc=False):
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content,
         }
+        if self.parts:
+            # The content-part list vision-language templates read (Qwen-VL: one
+            # vision block per ``{"type": "image"}``, in its place among the text).
+            out["content"] = [
+                {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part}
+                for part in self.parts
+            ]
         if self.tool_calls:
             out["tool_calls"] = [
                 {
@@ -118,6 +144,10 @@ _ENCODE = msgspec.json.Encoder(order="sorted").encode
 
 def _canonical(message: ChatMessage) -> bytes:
     parts: list[Any] = [message.role, message.content]
+    if message.parts:  # only then: a text message keeps the key it always had
+        parts.append(
+            [["i", p.sha256] if isinstance(p, ImagePart) else ["t", p] for p in message.parts]
+        )
     if message.role == "assistant":
         parts.append([[c.name, canonical_arguments(c.arguments)] for c in message.tool_calls])
     if message.role == "tool":

@@ -284,7 +284,10 @@ class HFEngine:
                 image = opened.convert("RGB")  # a GIF's first frame, as it is opened
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise EngineError(f"image {span.sha256[:12]} cannot be decoded: {exc}") from None
-        out = self.image_processor(images=[image], return_tensors="pt")
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt")
+        except ValueError as exc:  # a size the processor refuses (aspect ratio over 200)
+            raise EngineError(f"image {span.sha256[:12]} cannot be processed: {exc}") from None
         result = (out["pixel_values"].to(self.device), out["image_grid_thw"].to(self.device))
         self._pixels[span.sha256] = result
         while len(self._pixels) > _PIXEL_CACHE:

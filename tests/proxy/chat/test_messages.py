@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.chat.messages import ChatMessage, Tool, _canonical, prefix_keys, root_key
+from proxy.chat.messages import ChatMessage, ImagePart, Tool, _canonical, prefix_keys, root_key
 
 
 def _message(role: str, content: str) -> ChatMessage:
@@ -45,3 +45,42 @@ def test_messages_are_not_tracked_by_the_cyclic_garbage_collector() -> None:
     assert message == ChatMessage(
         "assistant", "text", (ToolCall("id-1", "search", '{"q": "x"}'),), reasoning="why"
     )
+
+
+def _picture(sha: str, size: tuple[int, int] = (64, 48)) -> ImagePart:
+    return ImagePart(sha256=sha, media_type="image/png", width=size[0], height=size[1])
+
+
+def test_images_are_in_the_key_by_hash_and_place() -> None:
+    """A message's images are part of its context key by the hash of their bytes and their
+    place among the text: the same image again keeps the key, another image or the same one
+    elsewhere changes it, and a text message keeps the key it had before images existed."""
+    a, b = _picture("a" * 64), _picture("b" * 64)
+
+    def key(*parts: str | ImagePart) -> bytes:
+        text = "".join(p for p in parts if isinstance(p, str))
+        message = ChatMessage(role="user", content=text, parts=parts)
+        return prefix_keys([], [message])[-1]
+
+    assert key("look", a) == key("look", _picture("a" * 64, (1, 1)))  # the bytes name it
+    assert len({key("look", a), key("look", b), key(a, "look"), key("look", a, a)}) == 4
+    assert key("look") != key("look", a)
+    text_only = ChatMessage(role="user", content="look")
+    assert _canonical(text_only) == json.dumps(["user", "look"]).replace(" ", "").encode()
+    assert key("a" * 64) != key(a)  # a text equal to a hash is not that image
+
+
+def test_template_dict_lists_the_parts_in_order() -> None:
+    """A message with images reaches the template as content parts, images in their
+    places; a text message keeps plain string content."""
+    a = _picture("a" * 64)
+    message = ChatMessage(
+        role="tool", content="shot:done", tool_call_id="c1", parts=("shot:", a, "done")
+    )
+    assert message.images == (a,)
+    assert message.template_dict()["content"] == [
+        {"type": "text", "text": "shot:"},
+        {"type": "image"},
+        {"type": "text", "text": "done"},
+    ]
+    assert ChatMessage(role="user", content="hi").template_dict()["content"] == "hi"

@@ -187,7 +187,8 @@ async def test_a_span_that_does_not_match_the_processor_fails(
     vlm: HFEngine, tokenizer: Any
 ) -> None:
     """An image whose placeholder count is not what the model's processor gives it, image
-    tokens no image claims, and bytes that are no image each fail the request loudly."""
+    tokens no image claims, bytes that are no image and a size the processor refuses each
+    fail the request loudly."""
     prompt = Prompt(vlm, tokenizer, [user(RED, "Look.")])
     span = prompt.images[0]
     pad = prompt.ids[span.start]
@@ -202,6 +203,10 @@ async def test_a_span_that_does_not_match_the_processor_fails(
     broken = [ImageSpan("0" * 64, b"not an image", span.start, span.end)]
     with pytest.raises(EngineError, match="cannot be decoded"):
         await sample(vlm, prompt.ids, broken)
+    thin = png((9, 9, 9), (10, 3000))  # an aspect ratio the processor refuses
+    refused = [ImageSpan(hashlib.sha256(thin).hexdigest(), thin, span.start, span.end)]
+    with pytest.raises(EngineError, match="cannot be processed"):
+        await sample(vlm, prompt.ids, refused)
 
 
 async def test_a_text_model_refuses_images(tiny_model_dir: Path) -> None:
