@@ -46,6 +46,7 @@ from relay.exceptions import (
     RequestCancelledError,
     WorkerFailedError,
 )
+from relay.images import ImageLedger, PromptImage
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class WorkerHandle:
     acks: dict[tuple[str, protocol.UpdatePhase], asyncio.Future[protocol.UpdateAck]] = field(
         default_factory=dict
     )
+    images: ImageLedger = field(default_factory=ImageLedger)  # the images it holds
 
     def __repr__(self) -> str:
         return (
@@ -302,6 +304,7 @@ class RelayCall:
         prompt_ids: Sequence[int],
         sampling: protocol.Sampling,
         affinity: str | None,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         self.pool = pool
         self.request_id = request_id
@@ -309,6 +312,8 @@ class RelayCall:
         self.prompt = protocol.pack_ids(prompt_ids)
         self.sampling = sampling
         self.affinity = affinity
+        self.images = [protocol.ImageRef(i.sha256, i.start, i.end) for i in images]
+        self.image_bytes = {i.sha256: i.data for i in images}
         self.state = RequestState.QUEUED
         self.worker_id: WorkerId | None = None
         self.attempts = 0
@@ -374,12 +379,29 @@ class RelayCall:
         """The frame for the next attempt: the original prompt, or after a lost worker the
         prompt plus the tokens already sampled, with the token budget reduced to match."""
         if not self.received:
-            return protocol.Generate(self.request_id, self.model, self.prompt, self.sampling)
+            return protocol.Generate(
+                self.request_id, self.model, self.prompt, self.sampling, images=self.images
+            )
         sampling = msgspec.structs.replace(
             self.sampling, max_tokens=self.sampling.max_tokens - len(self.received)
         )
         prompt = self.prompt + protocol.pack_ids(self.received)
-        return protocol.Generate(self.request_id, self.model, prompt, sampling)
+        return protocol.Generate(self.request_id, self.model, prompt, sampling, images=self.images)
+
+    def image_frames(self, handle: WorkerHandle) -> list[bytes]:
+        """The frames that give ``handle``'s worker the images this call needs: drops past
+        its budget, then the images it lacks."""
+        if not self.images:
+            return []
+        needed = [ref.sha256 for ref in self.images]
+        sizes = {sha: len(self.image_bytes[sha]) for sha in needed}
+        plan = handle.images.plan(needed, sizes)
+        frames = []
+        if plan.drop:
+            frames.append(handle.endpoint.drop_images(protocol.ImageDrop(plan.drop)))
+        for sha in plan.send:
+            frames.append(handle.endpoint.image(protocol.Image(sha, self.image_bytes[sha])))
+        return frames
 
     def _push(self, event: RelayEvent | RelayError) -> None:
         if isinstance(event, TokensEvent):
@@ -708,10 +730,12 @@ class WorkerPool:
         *,
         affinity: str | None = None,
         request_id: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> RelayCall:
-        """Dispatch a request, waiting up to ``wait_seconds`` for a free worker."""
+        """Dispatch a request, waiting up to ``wait_seconds`` for a free worker. Its
+        ``images`` go to the worker it runs on (only a worker that takes images)."""
         rid = RequestId(request_id or f"req-{next(self._ids)}")
-        call = RelayCall(self, rid, model, prompt_ids, sampling, affinity)
+        call = RelayCall(self, rid, model, prompt_ids, sampling, affinity, images)
         self._calls[rid] = call
         try:
             await self._dispatch(call)
@@ -738,6 +762,8 @@ class WorkerPool:
                 self._pump()
                 raise RequestCancelledError(call.request_id)
             try:
+                for frame in call.image_frames(handle):
+                    await handle.link.send(frame)
                 await handle.link.send(handle.endpoint.generate(call.generate_message()))
             except (ConnectionError, ProtocolError, RuntimeError) as exc:
                 handle.in_flight.discard(call.request_id)
@@ -828,7 +854,9 @@ class WorkerPool:
         loads = [
             WorkerLoad(h.worker_id, len(h.in_flight), self.capacity(h))
             for h in self.workers.values()
-            if call.model in h.models and h.state is WorkerState.SERVING
+            if call.model in h.models
+            and h.state is WorkerState.SERVING
+            and (not call.images or h.endpoint.takes_images)
         ]
         preferred = self._affinity.get(call.affinity) if call.affinity else None
         chosen = choose_worker(loads, preferred)

@@ -28,6 +28,13 @@ Conversation::
       | -- Weights(version, path) ------------------------> |   the engine serves new weights
                                                                 (to every proxy it serves)
 
+    images (version 4), each image's bytes once per connection, before the first request
+    that needs them; the proxy decides what the worker keeps:
+      | <------------- Image(sha256, data) ---------------- |   keep these bytes by their hash
+      | <------------- Generate(..., images=[ImageRef]) --- |   the image at [start, end) of
+      |                                                     |   the (expanded) prompt ids
+      | <------------- ImageDrop([sha256, ...]) ----------- |   forget them (no request uses them)
+
 States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
 endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
 state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
@@ -36,7 +43,9 @@ Versions: a proxy speaks every version in ``SUPPORTED_VERSIONS`` and welcomes a 
 the version of its hello; a worker sends ``Batch`` only when welcomed in version 2. So a
 proxy upgraded first keeps serving the workers that are not yet upgraded. Weight updates
 need version 3 on both sides: a proxy refuses an update while an older worker is connected
-(it could not be brought to the new weights).
+(it could not be brought to the new weights). Images need version 4: a worker announces a
+vision-language model with the id of its image placeholder (``ModelInfo.image_token_id``),
+and a proxy sends images only to a worker welcomed in version 4.
 
 Policy versions: ``Hello`` says which weights the worker serves (``policy_version``, and the
 checkpoint ``weights_path`` it loaded last); a ``Done`` carries the version that sampled its
@@ -55,10 +64,11 @@ import msgspec
 
 from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
 
-PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 BATCH_VERSION = 2  # the first version with Batch frames
 WEIGHTS_VERSION = 3  # the first version with weight updates
+IMAGES_VERSION = 4  # the first version with images
 
 # Keys of ``Done.extra`` this protocol gives a meaning to.
 POLICY_VERSION = "policy_version"  # the weights version that sampled the request's tokens
@@ -134,6 +144,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     logprobs_mode: str
     backend: str
     tokenizer_files: dict[str, bytes]
+    # A vision-language model: the token its template writes once per image and its forward
+    # fills with the image's features (its files then include preprocessor_config.json).
+    # None: text only.
+    image_token_id: int | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -153,12 +167,37 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     heartbeat_interval: float
 
 
+class ImageRef(msgspec.Struct, frozen=True, array_like=True):
+    """An image of a prompt: its hash (its bytes came in an ``Image``) and the half-open
+    range of its placeholder tokens in the prompt ids, which are expanded (one placeholder
+    per image token the forward fills)."""
+
+    sha256: str
+    start: int
+    end: int
+
+
 class Generate(msgspec.Struct, frozen=True, tag="generate"):
     request_id: str
     model: str
     prompt_ids: bytes
     sampling: Sampling
     stream: bool = True
+    images: list[ImageRef] = []
+
+
+class Image(msgspec.Struct, frozen=True, tag="image"):
+    """An image's bytes as the agent sent them, kept by the worker under their sha256 until
+    the proxy drops them (protocol 4)."""
+
+    sha256: str
+    data: bytes
+
+
+class ImageDrop(msgspec.Struct, frozen=True, tag="image_drop"):
+    """The worker may forget these images: no request it runs or will be sent uses them."""
+
+    sha256s: list[str]
 
 
 class Delta(msgspec.Struct, frozen=True, tag="delta"):
@@ -271,7 +310,20 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
 UpdateMessage = Pause | Load | Commit | Rollback
 
 WorkerMessage = Hello | Delta | Done | Error | Batch | UpdateAck | Weights | Ping | Pong
-ProxyMessage = Welcome | Generate | Cancel | Error | Pause | Load | Commit | Rollback | Ping | Pong
+ProxyMessage = (
+    Welcome
+    | Generate
+    | Cancel
+    | Error
+    | Pause
+    | Load
+    | Commit
+    | Rollback
+    | Image
+    | ImageDrop
+    | Ping
+    | Pong
+)
 Message = (
     Hello
     | Welcome
@@ -287,6 +339,8 @@ Message = (
     | Rollback
     | UpdateAck
     | Weights
+    | Image
+    | ImageDrop
     | Ping
     | Pong
 )
@@ -357,11 +411,40 @@ class ProxyEndpoint(_Endpoint):
         # deltas are legal and dropped.
         self.cancelled: set[str] = set()
         self.updates: set[str] = set()  # weight updates sent and not finished
+        self.images: set[str] = set()  # the images the worker holds (sent, not dropped)
 
     @property
     def can_update(self) -> bool:
         """Whether this worker speaks weight updates."""
         return self.version >= WEIGHTS_VERSION
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether images can be sent to this worker."""
+        return self.version >= IMAGES_VERSION
+
+    def image(self, message: Image) -> bytes:
+        """Encode an image for the worker to keep."""
+        self._require(ConnectionState.OPEN, "image")
+        self._require_images()
+        if message.sha256 in self.images:
+            raise IllegalTransitionError(f"image {message.sha256[:12]} was sent already")
+        self.images.add(message.sha256)
+        return encode(message)
+
+    def drop_images(self, message: ImageDrop) -> bytes:
+        """Encode the worker's leave to forget images it holds."""
+        self._require(ConnectionState.OPEN, "image_drop")
+        self._require_images()
+        unknown = [sha for sha in message.sha256s if sha not in self.images]
+        if unknown:
+            raise IllegalTransitionError(f"image {unknown[0][:12]} is not held by the worker")
+        self.images.difference_update(message.sha256s)
+        return encode(message)
+
+    def _require_images(self) -> None:
+        if self.version < IMAGES_VERSION:
+            raise IllegalTransitionError(f"images need protocol {IMAGES_VERSION}")
 
     def update(self, message: UpdateMessage) -> bytes:
         """Encode one phase of a weight update for this worker."""
@@ -431,6 +514,9 @@ class ProxyEndpoint(_Endpoint):
         self._require(ConnectionState.OPEN, "generate")
         if message.request_id in self.in_flight:
             raise IllegalTransitionError(f"request {message.request_id!r} is already in flight")
+        if message.images:
+            self._require_images()
+            _check_images(message, self.images)
         self.in_flight.add(message.request_id)
         return encode(message)
 
@@ -444,8 +530,30 @@ class ProxyEndpoint(_Endpoint):
         return encode(Cancel(request_id))
 
 
+def _check_images(message: Generate, held: set[str]) -> None:
+    """A request's images are held by the worker and lie, in order and apart, inside its
+    prompt."""
+    length = len(message.prompt_ids) // 4
+    end = 0
+    for ref in message.images:
+        if ref.sha256 not in held:
+            raise IllegalTransitionError(
+                f"request {message.request_id!r} uses image {ref.sha256[:12]}, not sent"
+            )
+        if not end <= ref.start < ref.end <= length:
+            raise FrameError(
+                f"request {message.request_id!r}: image span [{ref.start}, {ref.end}) is out "
+                "of order or outside the prompt"
+            )
+        end = ref.end
+
+
 class WorkerEndpoint(_Endpoint):
     """The worker's side of its connection to the proxy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: set[str] = set()  # the images the proxy sent and has not dropped
 
     def hello(self, message: Hello) -> bytes:
         self._require(ConnectionState.AWAITING_HELLO, "hello")
@@ -466,10 +574,22 @@ class WorkerEndpoint(_Endpoint):
         if isinstance(message, Error) and self.state is ConnectionState.AWAITING_HELLO:
             return message  # the proxy refused us; caller closes
         self._require(ConnectionState.OPEN, type(message).__name__.lower())
+        uses_images = isinstance(message, Image | ImageDrop) or (
+            isinstance(message, Generate) and bool(message.images)
+        )
+        if uses_images and self.version < IMAGES_VERSION:
+            raise IllegalTransitionError(f"images need protocol {IMAGES_VERSION}")
         if isinstance(message, Generate):
             if message.request_id in self.in_flight:
                 raise IllegalTransitionError(f"request {message.request_id!r} already running")
+            _check_images(message, self.images)
             self.in_flight.add(message.request_id)
+        elif isinstance(message, Image):
+            if message.sha256 in self.images:
+                raise IllegalTransitionError(f"image {message.sha256[:12]} was sent twice")
+            self.images.add(message.sha256)
+        elif isinstance(message, ImageDrop):
+            self.images.difference_update(message.sha256s)
         elif isinstance(message, Pause | Load | Commit | Rollback) and (
             self.version < WEIGHTS_VERSION
         ):

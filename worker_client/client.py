@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from relay import protocol
 from relay.exceptions import ProtocolError
-from worker_client.engine import Engine, SamplingParams
+from worker_client.engine import Engine, ImageSpan, SamplingParams
 from worker_client.exceptions import (
     ConnectionRefusedByProxy,
     EngineError,
@@ -47,6 +47,9 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
+    # A vision-language model's image processor: the proxy counts each image's tokens
+    # with it (its patch, merge and pixel bounds).
+    "preprocessor_config.json",
     "generation_config.json",
     "config.json",
     "vocab.json",
@@ -164,6 +167,7 @@ class WorkerClient:
                 logprobs_mode=served.engine.card.logprobs_mode.value,
                 backend=served.engine.card.backend,
                 tokenizer_files=collect_tokenizer_files(served.tokenizer_dir, served.chat_template),
+                image_token_id=served.engine.card.image_token_id,
             )
             for name, served in self.models.items()
         ]
@@ -230,6 +234,7 @@ class WorkerClient:
         self.connected.set()
         log.info("worker %s connected to %s", self.worker_id, self.proxy_url)
         running: dict[str, asyncio.Task[None]] = {}
+        images: dict[str, bytes] = {}  # what the proxy sent and has not dropped, by sha256
         outbox = Outbox(endpoint)
         sender = asyncio.create_task(outbox.run(ws.send), name=f"{self.worker_id}-sender")
         sender.add_done_callback(functools.partial(_close_on_failure, ws))
@@ -244,7 +249,12 @@ class WorkerClient:
                     return
                 if isinstance(message, protocol.Generate):
                     rid = message.request_id
-                    task = asyncio.create_task(self._run_request(outbox, message))
+                    # The request takes its images' bytes now: a later drop cannot reach it.
+                    spans = [
+                        ImageSpan(ref.sha256, images[ref.sha256], ref.start, ref.end)
+                        for ref in message.images
+                    ]
+                    task = asyncio.create_task(self._run_request(outbox, message, spans))
                     running[rid] = task
                     task.add_done_callback(functools.partial(_forget, running, rid))
                 elif isinstance(message, protocol.Cancel):
@@ -253,6 +263,11 @@ class WorkerClient:
                     pending = running.get(message.request_id)
                     if pending is not None:
                         pending.cancel()
+                elif isinstance(message, protocol.Image):
+                    images[message.sha256] = message.data
+                elif isinstance(message, protocol.ImageDrop):
+                    for sha in message.sha256s:
+                        images.pop(sha, None)
                 elif isinstance(message, protocol.Ping):
                     outbox.control(protocol.encode(protocol.Pong(message.nonce)))
                 elif isinstance(message, protocol.Error):
@@ -273,7 +288,9 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sender
 
-    async def _run_request(self, outbox: Outbox, message: protocol.Generate) -> None:
+    async def _run_request(
+        self, outbox: Outbox, message: protocol.Generate, images: Sequence[ImageSpan] = ()
+    ) -> None:
         rid = message.request_id
         served = self.models.get(message.model)
         if served is None:
@@ -294,7 +311,7 @@ class WorkerClient:
             # One admission limit per engine, whichever proxy the request came from.
             async with self.admission[message.model]:
                 started = True
-                await self._generate(outbox, served, rid, prompt, sampling)
+                await self._generate(outbox, served, rid, prompt, sampling, images)
                 finished = True
         except asyncio.CancelledError:
             outbox.discard(rid)
@@ -314,11 +331,17 @@ class WorkerClient:
         rid: str,
         prompt: Sequence[int],
         sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> None:
         """Stream one request's tokens; returns once its Done is queued."""
         # aclosing: however this ends, the engine's generator is finalized now (an engine
         # may hold a lock across its yields), not whenever it is collected.
-        async with contextlib.aclosing(served.engine.generate(rid, prompt, sampling)) as stream:
+        stream = (
+            served.engine.generate(rid, prompt, sampling, images)
+            if images
+            else served.engine.generate(rid, prompt, sampling)
+        )
+        async with contextlib.aclosing(stream):
             async for chunk in stream:
                 if chunk.finish_reason is None:
                     outbox.tokens(rid, chunk.token_ids, chunk.logprobs)

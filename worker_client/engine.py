@@ -65,13 +65,18 @@ class TokenChunk:
 
 @dataclass(slots=True, frozen=True)
 class ModelCard:
-    """What a worker announces about a model it serves. ``vision``: it takes images."""
+    """What a worker announces about a model it serves. ``image_token_id``: a
+    vision-language model's image placeholder (None: it takes no images)."""
 
     name: str
     max_model_len: int
     logprobs_mode: LogprobsMode
     backend: str
-    vision: bool = False
+    image_token_id: int | None = None
+
+    @property
+    def vision(self) -> bool:
+        return self.image_token_id is not None
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,9 +100,14 @@ class Engine(Protocol):
     def card(self) -> ModelCard: ...
 
     def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Stream the sampled tokens of one request. Must end with a chunk that has a
+        """Stream the sampled tokens of one request (its ``images`` where their spans say,
+        for a model whose card names an image token). Must end with a chunk that has a
         ``finish_reason``. Raises ``EngineError`` subclasses on failure."""
         ...
 
@@ -113,6 +123,15 @@ def id_list(ids: Sequence[int]) -> list[int]:
     """Token ids as a list, for an engine API that takes one. A prompt comes from the
     relay as an int32 array: its ``tolist`` is a few times faster than ``list``."""
     return ids.tolist() if isinstance(ids, array) else list(ids)
+
+
+def refuse_images(card: ModelCard, images: Sequence[ImageSpan]) -> None:
+    """A backend that runs no images fails a request that has some (the proxy sends none
+    to a model whose card names no image token)."""
+    if images:
+        from worker_client.exceptions import EngineError
+
+        raise EngineError(f"model {card.name} ({card.backend} backend) does not take images")
 
 
 def check_prompt(card: ModelCard, prompt_ids: Sequence[int]) -> int:

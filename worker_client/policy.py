@@ -38,7 +38,14 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from relay.protocol import POLICY_VERSION, PREEMPTED, PauseMode
-from worker_client.engine import Engine, FinishReason, ModelCard, SamplingParams, TokenChunk
+from worker_client.engine import (
+    Engine,
+    FinishReason,
+    ImageSpan,
+    ModelCard,
+    SamplingParams,
+    TokenChunk,
+)
 from worker_client.exceptions import WeightsError
 
 log = logging.getLogger(__name__)
@@ -117,7 +124,11 @@ class VersionedEngine:
         return len(self._running)
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
         async with self._changed:
             await self._changed.wait_for(lambda: self.state is PolicyState.SERVING)
@@ -125,7 +136,12 @@ class VersionedEngine:
             version = self.version
         # aclosing: when this stream is closed, the engine's is closed now too (an engine may
         # hold a lock or a slot across its yields), not later by the garbage collector.
-        stream = self.engine.generate(request_id, prompt_ids, sampling)
+        # Only a request with images passes them: an engine of text alone need not know them.
+        stream = (
+            self.engine.generate(request_id, prompt_ids, sampling, images)
+            if images
+            else self.engine.generate(request_id, prompt_ids, sampling)
+        )
         try:
             async with contextlib.aclosing(stream):
                 async for chunk in stream:

@@ -412,3 +412,86 @@ def test_packed_ids_unpack_to_an_int32_array() -> None:
     for length in (1, 2, 3, 5, 7):
         with pytest.raises(FrameError):
             protocol.unpack_id_array(packed[:length])
+
+
+_SHA = "ab" * 32
+
+
+def _generate_with_images(*refs: protocol.ImageRef, rid: str = "r1") -> protocol.Generate:
+    return protocol.Generate(
+        rid,
+        "tiny",
+        protocol.pack_ids(range(20)),
+        protocol.Sampling(max_tokens=4),
+        images=list(refs),
+    )
+
+
+def test_images_round_trip_and_travel_as_bytes() -> None:
+    """An image, a drop and a request with image spans decode unchanged; the image's bytes
+    travel as binary, not as base64."""
+    data = bytes(range(256)) * 4
+    for message in (
+        protocol.Image(_SHA, data),
+        protocol.ImageDrop([_SHA]),
+        _generate_with_images(protocol.ImageRef(_SHA, 2, 6)),
+    ):
+        assert protocol.decode_proxy_message(protocol.encode(message)) == message
+    assert len(protocol.encode(protocol.Image(_SHA, data))) < len(data) + 100
+    info = protocol.ModelInfo("vlm", 4096, "raw", "hf", {}, image_token_id=7)
+    hello = protocol.Hello(protocol.PROTOCOL_VERSION, "w", "t", [info])
+    assert protocol.decode_worker_message(protocol.encode(hello)) == hello
+
+
+def test_a_request_uses_only_images_the_worker_holds() -> None:
+    """Both ends track what the worker holds: an image is sent once, a request may use it
+    until it is dropped, and using an image never sent (or dropped) is illegal on either
+    side."""
+    proxy, worker = _open_pair()
+    ref = protocol.ImageRef(_SHA, 2, 6)
+    with pytest.raises(IllegalTransitionError, match="not sent"):
+        proxy.generate(_generate_with_images(ref))
+    worker.receive(proxy.image(protocol.Image(_SHA, b"png")))
+    with pytest.raises(IllegalTransitionError, match="sent already"):
+        proxy.image(protocol.Image(_SHA, b"png"))
+    received = worker.receive(proxy.generate(_generate_with_images(ref)))
+    assert isinstance(received, protocol.Generate)
+    assert received.images == [ref]
+    worker.receive(proxy.drop_images(protocol.ImageDrop([_SHA])))
+    assert proxy.images == worker.images == set()
+    with pytest.raises(IllegalTransitionError, match="not held"):
+        proxy.drop_images(protocol.ImageDrop([_SHA]))
+    with pytest.raises(IllegalTransitionError, match="not sent"):
+        worker.receive(protocol.encode(_generate_with_images(ref, rid="r2")))
+
+
+@pytest.mark.parametrize(
+    "refs",
+    [
+        [protocol.ImageRef(_SHA, 4, 2)],
+        [protocol.ImageRef(_SHA, 18, 24)],
+        [protocol.ImageRef(_SHA, 2, 6), protocol.ImageRef(_SHA, 5, 8)],
+        [protocol.ImageRef(_SHA, 8, 10), protocol.ImageRef(_SHA, 2, 6)],
+    ],
+    ids=["backwards", "past-the-prompt", "overlapping", "out-of-order"],
+)
+def test_image_spans_must_lie_in_order_inside_the_prompt(refs: list[protocol.ImageRef]) -> None:
+    """A span that is empty, reaches past the prompt, overlaps or comes before the previous
+    one is refused before it reaches an engine."""
+    proxy, _ = _open_pair()
+    proxy.image(protocol.Image(_SHA, b"png"))
+    with pytest.raises(FrameError, match="out of order or outside"):
+        proxy.generate(_generate_with_images(*refs))
+
+
+def test_a_version_3_peer_neither_gets_nor_sends_images() -> None:
+    """Images need protocol 4 on both sides; a version 3 worker still runs text requests."""
+    proxy, worker = _open_pair_at(3)
+    assert not proxy.takes_images
+    with pytest.raises(IllegalTransitionError, match="protocol 4"):
+        proxy.image(protocol.Image(_SHA, b"png"))
+    with pytest.raises(IllegalTransitionError, match="protocol 4"):
+        proxy.generate(_generate_with_images(protocol.ImageRef(_SHA, 2, 6)))
+    with pytest.raises(IllegalTransitionError, match="protocol 4"):
+        worker.receive(protocol.encode(protocol.Image(_SHA, b"png")))
+    worker.receive(proxy.generate(_generate_with_images()))

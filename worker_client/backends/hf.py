@@ -108,8 +108,10 @@ class HFEngine:
         self.model = model
         self.device = device
         self.image_processor = image_processor
-        vision = image_processor is not None
-        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", vision=vision)
+        image_token = None
+        if image_processor is not None:
+            image_token = int(model.config.image_token_id)
+        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", image_token)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
         self.cache_entries = cache_entries

@@ -33,11 +33,13 @@ from pathlib import Path
 
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
     TokenChunk,
     check_prompt,
+    refuse_images,
 )
 from worker_client.exceptions import EngineUnavailableError
 
@@ -121,8 +123,13 @@ class InstantEngine:
         return random.Random(int.from_bytes(digest, "little"))
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_images(self._card, images)
         room = check_prompt(self._card, prompt_ids)
         limit = min(sampling.max_tokens, room)
         count = min(self.reply_tokens, limit)

@@ -40,12 +40,14 @@ import aiohttp
 
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_images,
 )
 from worker_client.exceptions import (
     EngineError,
@@ -184,8 +186,13 @@ class OpenAIEngine(StagedPath):
         return self._http
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_images(self._card, images)
         check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
         aborted = self._running.setdefault(request_id, asyncio.Event())

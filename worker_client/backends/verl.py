@@ -24,12 +24,14 @@ from typing import Any, Protocol
 
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_images,
 )
 from worker_client.exceptions import EngineError
 from worker_client.policy import POLICY_VERSION
@@ -108,8 +110,13 @@ class VerlEngine:
         return self._card
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_images(self._card, images)
         check_prompt(self._card, prompt_ids)
         try:
             output = await self.client.generate(

@@ -36,12 +36,14 @@ from typing import Any
 
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_images,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 from worker_client.policy import StagedPath
@@ -205,8 +207,13 @@ class VLLMEngine(StagedPath):
         return self._card
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_images(self._card, images)
         check_prompt(self._card, prompt_ids)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
