@@ -500,6 +500,7 @@ class TurnService:
             finally:
                 call.deliver_to(None)
         except ProxyError:
+            _take_waiting(prepared, decoding)
             if decoding.detok.ids:
                 # The worker failed mid-turn: what it sampled is kept as a truncated turn.
                 self._keep_cut(prepared, decoding)
@@ -618,6 +619,7 @@ class TurnService:
     def _keep_cut(self, prepared: PreparedTurn, decoding: _Decoding) -> None:
         """What was sampled of a reply that did not finish, recorded as a truncated turn;
         nobody waits for it, so its write is queued and committed regardless."""
+        _take_waiting(prepared, decoding)
         cut = self._record(
             prepared, decoding.detok.ids, decoding.logprobs, None, None, truncated=True
         )
@@ -798,6 +800,17 @@ class _Decoding:
         events, parsed = self.parser.finish()
         last.extend(_parsed_events(events, self.calls))
         return last, parsed
+
+
+def _take_waiting(prepared: PreparedTurn, decoding: _Decoding) -> None:
+    """Tokens the worker sent that the attempt's consumer never took (a stream's sink held
+    them while the proxy ran behind, or its task was cancelled before it woke): they were
+    sampled, so a cut turn keeps them after the ones decoded."""
+    call = prepared.call
+    assert call is not None
+    waiting = call.take_waiting()
+    if waiting is not None:
+        decoding.add(waiting)
 
 
 def _parser(prepared: PreparedTurn) -> ToolCallStream:

@@ -530,6 +530,28 @@ class RelayCall:
         """Abort the request (idempotent; no-op once finished)."""
         await self.pool.cancel(self)
 
+    def take_waiting(self) -> TokensEvent | None:
+        """The tokens that arrived but were not taken by the consumer (held for a sink,
+        or waiting for a consumer that stopped before taking them), as one event, taken
+        now; None when there are none. For a consumer that ends early and keeps what was
+        sampled: after ``cancel``, nothing more arrives."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        kept: deque[RelayEvent | RelayError] = deque()
+        for event in self._pending:
+            if isinstance(event, TokensEvent):
+                ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
+                continue
+            if isinstance(event, RestartedEvent):  # what came before it is discarded
+                ids.clear()
+                logprobs.clear()
+            kept.append(event)
+        self._pending = kept
+        self._waiting_tokens = 0
+        self._held = False
+        return TokensEvent(ids, logprobs) if ids else None
+
 
 class WorkerPool:
     """Connected workers and the requests in flight on them."""

@@ -20,9 +20,12 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
+from transformers import AutoTokenizer
 
 from proxy.appkeys import POOL, SERVICE
+from proxy.coalesce import CoalescePolicy, StreamCoalescer
 from proxy.config import ProxyConfig
+from relay.pool import RelayCall
 from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
 from tests.e2e.conftest import TIMEOUT_FACTOR, wait_until_joined
@@ -194,5 +197,95 @@ async def test_a_client_that_leaves_while_tokens_are_held_leaves_a_truncated_tur
     kept = cut["response_ids"]
     assert 0 < len(kept) < TOKENS
     assert kept == full["response_ids"][: len(kept)]
+    assert whole.choices[0].message.content is not None
+    assert whole.choices[0].message.content.startswith(seen)
+
+
+class _HoldingUntilTheEnd(StreamCoalescer):
+    """A coalescer that counts the loop as behind from its first window on and holds a
+    stream's tokens (after its first event) until the reply's end, and keeps the calls it
+    held: what a stream holds when its client leaves is then known, whatever the
+    machine's speed."""
+
+    def __init__(self) -> None:
+        super().__init__(CoalescePolicy(busy_from=0.0, busy_until=0.0, group=1 << 20, hold_s=600.0))
+        self.calls: list[RelayCall] = []
+
+    def hold(self, call: RelayCall, waiting: int) -> bool:
+        if call not in self.calls:
+            self.calls.append(call)
+        return super().hold(call, waiting)
+
+
+@contextlib.contextmanager
+def holding_until_the_end(running: RunningProxy) -> Iterator[_HoldingUntilTheEnd]:
+    service, pool = running.app[SERVICE], running.app[POOL]
+    before = service.coalescer
+    held = _HoldingUntilTheEnd()
+    service.coalescer, pool.after_frame = held, held.frame_handled
+    try:
+        yield held
+    finally:
+        held.flush_all()
+        service.coalescer = before
+        pool.after_frame = before.frame_handled if before is not None else None
+
+
+async def test_a_cut_turn_keeps_the_tokens_the_coalescer_held(
+    paced: RunningProxy, tiny_model_dir: Path
+) -> None:
+    """A client that leaves while the proxy holds some of its stream's tokens leaves a cut
+    turn with every token the worker had sent by then (what the client was shown, then
+    what was held for it), a prefix of the whole reply; undelivered, and counted so."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ask: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": TOKENS,
+        "seed": 1,
+    }
+    async with ProxyClient(paced.url) as proxy:
+        trial = await proxy.create_session()
+        async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key) as client:
+            with holding_until_the_end(paced) as coalescer:
+                # A whole reply first: the gauge has judged windows (behind) by its end.
+                whole = await client.chat.completions.create(**ask)
+                seen = ""
+                stream = await client.chat.completions.create(**ask, stream=True)
+                async for chunk in stream:
+                    seen += "".join(c.delta.content or "" for c in chunk.choices)
+                    if seen:
+                        break
+                deadline = asyncio.get_running_loop().time() + 30 * TIMEOUT_FACTOR
+                while not coalescer.calls or len(coalescer.calls[0].received) < TOKENS // 4:
+                    assert asyncio.get_running_loop().time() < deadline, "nothing was held"
+                    await asyncio.sleep(0.01)
+                (call,) = coalescer.calls
+                assert coalescer.held == 1
+                received = len(call.received)  # by the proxy, when the client leaves
+                await stream.close()
+                deadline = asyncio.get_running_loop().time() + 30 * TIMEOUT_FACTOR
+                while True:
+                    export: dict[str, Any] = await proxy.trajectories(trial.trial_id)
+                    if len(export["trajectories"]) == 2:
+                        break
+                    assert asyncio.get_running_loop().time() < deadline, "no cut turn recorded"
+                    await asyncio.sleep(0.05)
+        summary = await proxy.get_session(trial.trial_id)
+    full, cut = export["trajectories"]
+    assert not full["turns"][0]["truncated"]
+    assert full["turns"][0]["delivered"] is True
+    (turn,) = cut["turns"]
+    assert turn["truncated"] is True
+    assert turn["delivered"] is False
+    assert summary["undelivered_turns"] == 1
+    whole_ids = full["response_ids"]
+    assert len(whole_ids) == TOKENS
+    kept = cut["response_ids"]
+    assert kept == whole_ids[: len(kept)]
+    assert cut["response_logprobs"] == full["response_logprobs"][: len(kept)]
+    # The client was shown the text of a few tokens; the rest it did not get are kept too.
+    shown = next(k for k in range(TOKENS + 1) if tokenizer.decode(whole_ids[:k]).startswith(seen))
+    assert shown < received <= len(kept) <= TOKENS, (shown, received, len(kept))
     assert whole.choices[0].message.content is not None
     assert whole.choices[0].message.content.startswith(seen)

@@ -6,6 +6,7 @@ The transport is an in-memory link that records frames; the pool and protocol ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -451,6 +452,44 @@ async def test_held_tokens_reach_the_consumer_with_the_end_and_in_order() -> Non
     )
     await asyncio.wait_for(consumer, 5)
     assert consumed == [[1, 2], [3, 4], None]
+
+
+async def test_a_consumer_that_stops_takes_the_held_and_waiting_tokens() -> None:
+    """Tokens a sink held, and those that came after them, are not lost when the consumer
+    is cancelled while it sleeps: ``take_waiting`` returns them in order with their
+    logprobs (once), and nothing more arrives after ``cancel``."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _link = await _add(pool, "w1")
+    call = await pool.start("tiny", [1], protocol.Sampling(max_tokens=8), affinity="t1")
+    rid = call.request_id
+
+    def sink(tokens: TokensEvent, may_hold: bool) -> Delivery:
+        return Delivery.WRITTEN if tokens.token_ids == [1] else Delivery.HELD
+
+    async def consume() -> None:
+        async for _ in call.events():
+            pass
+
+    call.deliver_to(sink)
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    for token in (1, 2, 3):
+        delta = protocol.Delta(
+            rid, protocol.pack_ids([token]), protocol.pack_logprobs([-float(token)])
+        )
+        await pool.handle_message(handle, _frame(delta, handle))
+        await asyncio.sleep(0)
+    consumer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await consumer
+    await call.cancel()
+    late = protocol.Delta(rid, protocol.pack_ids([4]), protocol.pack_logprobs([-4]))
+    await pool.handle_message(handle, _frame(late, handle))
+    waiting = call.take_waiting()
+    assert waiting is not None
+    assert (list(waiting.token_ids), list(waiting.logprobs)) == ([2, 3], [-2.0, -3.0])
+    assert call.take_waiting() is None
+    assert list(call.received) == [1, 2, 3]
 
 
 async def test_after_frame_runs_once_per_worker_frame() -> None:
