@@ -431,6 +431,7 @@ class TurnService:
         call = prepared.call
         assert call is not None
         request = prepared.request
+        whole = not incremental  # the consumer wants the result only (not streamed)
         incremental = incremental or bool(request.stop)
         decoding = _Decoding(prepared)
 
@@ -469,11 +470,8 @@ class TurnService:
                             continue
                         for out in decoding.feed(event):
                             yield out
-                        if decoding.stopper.hit is not None:
-                            await call.cancel()
-                            finished = FinishedEvent(
-                                "stop_sequence", call.worker_id or WorkerId(""), {}
-                            )
+                        finished = await _ended_by_stop(call, decoding)
+                        if finished is not None:
                             break
                     elif isinstance(event, RestartedEvent):
                         if decoding.shown:
@@ -507,10 +505,10 @@ class TurnService:
             self._settled(prepared)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            if not incremental and prepared.live is not None and not call.cancelled:
-                # A whole reply whose client stopped waiting (an SDK's timeout): it is
-                # finished anyway, so the client's retry joins it or gets it from the record
-                # instead of starting over (and timing out again).
+            if whole and prepared.live is not None and not call.cancelled:
+                # A whole reply whose client stopped waiting (an SDK's timeout), with stop
+                # strings or without: it is finished anyway, so the client's retry joins it
+                # or gets it from the record instead of starting over (and timing out again).
                 self._detach(prepared, decoding)
                 raise
             await call.cancel()
@@ -542,12 +540,21 @@ class TurnService:
         and undelivered (or cut, if the worker fails): a retry is answered with it."""
         call = prepared.call
         assert call is not None
+        # Stop strings need the text as it grows, to end the reply where one matches (as
+        # it would have ended had the client waited).
+        stops = bool(prepared.request.stop)
         finished: FinishedEvent | None = None
         try:
             try:
-                async for event in call.events(wake_after=None):
+                async for event in call.events(wake_after=self.stream_interval if stops else None):
                     if isinstance(event, TokensEvent):
-                        decoding.add(event)
+                        if not stops:
+                            decoding.add(event)
+                            continue
+                        decoding.feed(event)
+                        finished = await _ended_by_stop(call, decoding)
+                        if finished is not None:
+                            break
                     elif isinstance(event, RestartedEvent):
                         decoding = _Decoding(prepared)
                     elif isinstance(event, FinishedEvent):
@@ -800,6 +807,14 @@ class _Decoding:
         events, parsed = self.parser.finish()
         last.extend(_parsed_events(events, self.calls))
         return last, parsed
+
+
+async def _ended_by_stop(call: RelayCall, decoding: _Decoding) -> FinishedEvent | None:
+    """Where a stop string matched, the reply ends: the worker is stopped."""
+    if decoding.stopper.hit is None:
+        return None
+    await call.cancel()
+    return FinishedEvent("stop_sequence", call.worker_id or WorkerId(""), {})
 
 
 def _take_waiting(prepared: PreparedTurn, decoding: _Decoding) -> None:

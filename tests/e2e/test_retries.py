@@ -26,6 +26,7 @@ from sdk.client import ProxyClient
 from sdk.samples import build_samples
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.e2e.link import Link
+from tests.scripted_worker import PacedScriptedEngine, tiny_reply
 from worker_client.backends.instant import InstantEngine
 from worker_client.client import ServedModel, WorkerClient
 
@@ -491,3 +492,55 @@ async def test_a_reply_committed_but_never_delivered_is_replayed_after_a_restart
             assert trained_texts(export, tokenizer) == [got]
     finally:
         await running.stop()
+
+
+# A reply whose stop string comes after 40 tokens paced 20 ms apart: a client that waits
+# 0.2 s times out long before it.
+STOPPED = "the agent opens every file of the project and reads it twice " * 3
+STOP_STRING = "ALL DONE"
+
+
+@pytest.mark.parametrize("when", ["while_sampling", "after_recorded"])
+async def test_a_timed_out_request_with_stop_strings_is_generated_once(
+    scripted_stack: tuple[RunningProxy, PacedScriptedEngine],
+    scripted: PacedScriptedEngine,
+    scripted_client: ProxyClient,
+    when: str,
+) -> None:
+    """A non-streamed request with a stop string whose client times out: the reply is
+    sampled on to its stop string, recorded whole and undelivered, and the client's retry
+    (retry count 1) gets it, joined while it is sampled or replayed once recorded. One
+    generation, one turn, one replay; trained once, as the agent received it."""
+    scripted.delay = 0.02
+    scripted.policy = lambda prompt: tiny_reply(f"{STOPPED}{STOP_STRING} and more words")
+    trial = await scripted_client.create_session()
+    ask: dict[str, Any] = {
+        "model": "any",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stop": [STOP_STRING],
+    }
+    async with AsyncOpenAI(
+        base_url=trial.base_url, api_key=trial.api_key, max_retries=0, timeout=0.2
+    ) as openai:
+        with pytest.raises(APITimeoutError):
+            await openai.chat.completions.create(**ask)
+        if when == "after_recorded":
+            deadline = asyncio.get_running_loop().time() + 30 * TIMEOUT_FACTOR
+            while (await scripted_client.get_session(trial.trial_id))["turns"] == 0:
+                assert asyncio.get_running_loop().time() < deadline, "no turn recorded"
+                await asyncio.sleep(0.05)
+        retried = await openai.chat.completions.create(
+            **ask, extra_headers={"x-stainless-retry-count": "1"}, timeout=60 * TIMEOUT_FACTOR
+        )
+    export = await scripted_client.trajectories(trial.trial_id)
+    tokenizer = scripted.tokenizer
+    assert len(scripted.prompts) == 1  # one generation for the two attempts
+    (turn,) = turns_of(export).values()
+    assert (turn["truncated"], turn["delivered"], turn["replays"]) == (False, True, 1)
+    assert turn["stop_sequence"] == STOP_STRING
+    assert retried.choices[0].finish_reason == "stop"
+    got = retried.choices[0].message.content
+    assert got == STOPPED
+    assert turn_texts(export, tokenizer)[0].startswith(got)
+    assert len(trained_texts(export, tokenizer)) == 1
+    assert trained_texts(export, tokenizer)[0].startswith(got)
