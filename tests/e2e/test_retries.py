@@ -36,7 +36,7 @@ pytestmark = pytest.mark.e2e
 REPLY_TOKENS = 8
 TOKENS_PER_SECOND = 20.0
 PROMPT = "list the files"
-APIS = ("chat", "anthropic", "responses")
+APIS = ("chat", "anthropic", "responses", "completions")
 
 
 @dataclass(slots=True)
@@ -119,6 +119,8 @@ async def ask(
     ) as openai:
         if api == "responses":
             return await _ask_responses(openai, prompt, stream)
+        if api == "completions":
+            return await _ask_completions(openai, prompt, stream)
         return await _ask_chat(openai, prompt, stream)
 
 
@@ -158,6 +160,16 @@ async def _ask_chat(openai: AsyncOpenAI, prompt: str, stream: bool) -> str:
     async for chunk in chunks:
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
+    return "".join(parts)
+
+
+async def _ask_completions(openai: AsyncOpenAI, prompt: str, stream: bool) -> str:
+    if not stream:
+        completion = await openai.completions.create(model="any", prompt=prompt)
+        return completion.choices[0].text
+    parts = []
+    async for chunk in await openai.completions.create(model="any", prompt=prompt, stream=True):
+        parts += [c.text for c in chunk.choices if c.text]
     return "".join(parts)
 
 
@@ -203,6 +215,7 @@ API_NAMES = {
     "chat": "openai.chat",
     "anthropic": "anthropic.messages",
     "responses": "openai.responses",
+    "completions": "openai.completions",
 }
 
 
@@ -231,7 +244,7 @@ async def test_sdk_retry_after_the_reply_was_lost_gets_the_recorded_reply(
     assert await metric(stack, "relay_turns_replayed", API_NAMES[api]) == replayed + 1
 
 
-@pytest.mark.parametrize("api", ["chat", "anthropic"])
+@pytest.mark.parametrize("api", ["chat", "anthropic", "completions"])
 async def test_sdk_retry_after_the_connection_dropped_mid_stream_samples_anew(
     stack: Stack, link: Link, api: str
 ) -> None:
@@ -262,7 +275,7 @@ async def test_sdk_retry_after_the_connection_dropped_mid_stream_samples_anew(
     assert [(t["delivered"], t["retry_of"]) for t in shown] == [(False, None), (True, 0)]
 
 
-@pytest.mark.parametrize("api", ["chat", "anthropic"])
+@pytest.mark.parametrize("api", ["chat", "anthropic", "completions"])
 async def test_sdk_timeouts_against_a_paced_worker_get_one_generation(
     stack: Stack, api: str
 ) -> None:

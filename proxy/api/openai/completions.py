@@ -3,7 +3,9 @@
 The prompt is raw: text is tokenized as is (no chat template, the tokenizer's own special
 tokens as vLLM adds them), token ids are sent verbatim. Each choice is a turn recorded like
 a chat turn: the prompt ids are context, the sampled ids are sampled. A token-id prompt
-that starts with an earlier turn's prompt + sampled ids continues that turn.
+that starts with an earlier turn's prompt + sampled ids continues that turn. A client's
+retry of a request (same raw body, ``proxy.sessions.retries``) is answered as on the chat
+route: from the recorded reply, or by joining the attempt still sampling.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.api.delivery import send_whole, settle
+from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import error_body, json_response, parse_json
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import CompletionRequest
@@ -100,7 +102,8 @@ async def _prompt_ids(
 async def completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
-    parsed = parse_json(CompletionRequest, await request.read())
+    body = await request.read()
+    parsed = parse_json(CompletionRequest, body)
     parsed.check_supported()
     service = request.app[SERVICE]
     prompt = await _prompt_ids(service, session, parsed)
@@ -119,6 +122,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         stop=parsed.stop_strings(),
         tool_choice="none",
         prompt_ids=prompt,
+        # Several choices are several turns: such a request is never taken for a retry.
+        marks=retry_marks(request, "openai.completions", body) if parsed.n == 1 else None,
     )
     # n > 1: each choice is its own turn, a sibling branch with seed + i.
     turns = choice_requests(turn, parsed.n)
