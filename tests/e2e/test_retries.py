@@ -46,18 +46,26 @@ class Stack:
     tokenizer: Any
     data_dir: Path
     model_dir: Path
+    engine: InstantEngine  # its ``served`` counts the generations the worker started
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
+    def generations(self, since: int) -> int:
+        """Generations the worker started since its count was ``since``."""
+        return self.engine.served - since
 
-def _start_worker(running: RunningProxy, model_dir: Path) -> None:
+
+def _start_worker(running: RunningProxy, model_dir: Path) -> InstantEngine:
     engine = InstantEngine.load(
         model_dir, reply_tokens=REPLY_TOKENS, tokens_per_second=TOKENS_PER_SECOND
     )
     worker = WorkerClient(running.worker_url, {engine.card.name: ServedModel(engine, model_dir)})
     running.worker_tasks.append(asyncio.get_running_loop().create_task(worker.run()))
+    return engine
 
 
-async def _start(model_dir: Path, data_dir: Path, port: int = 0) -> RunningProxy:
+async def _start(
+    model_dir: Path, data_dir: Path, port: int = 0
+) -> tuple[RunningProxy, InstantEngine]:
     config = ProxyConfig(
         port=port,
         worker_wait_seconds=5 * TIMEOUT_FACTOR,
@@ -66,9 +74,9 @@ async def _start(model_dir: Path, data_dir: Path, port: int = 0) -> RunningProxy
         cache_dir=data_dir.parent / "proxy-cache",
     )
     running = await start_proxy(config)
-    _start_worker(running, model_dir)
+    engine = _start_worker(running, model_dir)
     await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
-    return running
+    return running, engine
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +84,10 @@ async def stack(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
     data_dir = tmp_path_factory.mktemp("retries") / "data"
-    running = await _start(tiny_model_dir, data_dir)
+    running, engine = await _start(tiny_model_dir, data_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     async with ProxyClient(running.url) as client:
-        yield Stack(running, client, tokenizer, data_dir, tiny_model_dir)
+        yield Stack(running, client, tokenizer, data_dir, tiny_model_dir, engine)
     await running.stop()
 
 
@@ -232,9 +240,11 @@ async def test_sdk_retry_after_the_reply_was_lost_gets_the_recorded_reply(
     the tree keeps one turn, and that turn is what is trained."""
     trial = await stack.client.create_session()
     replayed = await metric(stack, "relay_turns_replayed", API_NAMES[api])
+    served = stack.engine.served
     link.plans = ["after"]
     got = await ask(api, link.url(trial.base_url), trial.api_key, stream=stream)
     export = await stack.client.trajectories(trial.trial_id)
+    assert stack.generations(served) == 1
     (turn,) = turns_of(export).values()
     assert turn["delivered"] is True
     assert turn["replays"] == 1
@@ -252,11 +262,14 @@ async def test_sdk_retry_after_the_connection_dropped_mid_stream_samples_anew(
     (undelivered), the client's retry is sampled anew as ``retry_of`` it, and only the
     reply the agent got is trained."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     link.plans = ["before"]
     got = await ask(api, link.url(trial.base_url), trial.api_key, stream=True)
     export = await stack.client.trajectories(trial.trial_id)
+    assert stack.generations(served) == 2  # the cut attempt, then the retry's
     turns = turns_of(export)
     assert sorted(turns) == [0, 1]
+    assert [turns[0]["replays"], turns[1]["replays"]] == [0, 0]
     assert turns[0]["truncated"] is True
     assert turns[0]["delivered"] is False
     assert turns[1]["retry_of"] == 0
@@ -283,12 +296,19 @@ async def test_sdk_timeouts_against_a_paced_worker_get_one_generation(
     sampled to its end after the client gives up, and the client's own retry gets it from
     the record. One generation, one turn, trained once: what the agent received."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
+    replayed = await metric(stack, "relay_turns_replayed", API_NAMES[api])
     got = await ask(
         api, trial.base_url, trial.api_key, stream=False, max_retries=4, client_timeout=0.15
     )
     export = await stack.client.trajectories(trial.trial_id)
+    assert stack.generations(served) == 1
     (turn,) = turns_of(export).values()
-    assert turn["replays"] >= 1
+    # Answered once from the record: a retry that times out while it waits for the
+    # generation leaves before it is answered, so it is no replay.
+    assert turn["replays"] == 1
+    assert await metric(stack, "relay_turns_replayed", API_NAMES[api]) == replayed + 1
+    assert turn["retry_of"] is None
     assert turn["delivered"] is True
     assert turn_texts(export, stack.tokenizer)[0] == got
     assert trained_texts(export, stack.tokenizer) == [got]
@@ -298,12 +318,15 @@ async def test_a_client_that_times_out_and_never_retries_trains_nothing(stack: S
     """A whole reply whose client gave up and never came back is recorded (for a retry
     that does not come) but not delivered, and not trained."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     with pytest.raises(APITimeoutError):
         await ask(
             "chat", trial.base_url, trial.api_key, stream=False, max_retries=0, client_timeout=0.1
         )
     export = await _settled(stack, trial.trial_id, 1)
+    assert stack.generations(served) == 1
     (turn,) = turns_of(export).values()
+    assert turn["replays"] == 0
     assert turn["truncated"] is False
     assert turn["delivered"] is False
     assert trained_texts(export, stack.tokenizer) == []
@@ -318,6 +341,7 @@ async def test_codex_style_resend_with_the_same_client_request_id(
     Codex does after a dropped stream) and no retry count: after a reply that went out it
     is answered from the record; after a cut one it is sampled anew."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     url = f"{trial.base_url}/responses"
     body = {"model": "any", "input": PROMPT, "stream": stream}
     headers = {"Authorization": f"Bearer {trial.api_key}", "x-client-request-id": "turn-1"}
@@ -328,6 +352,7 @@ async def test_codex_style_resend_with_the_same_client_request_id(
         export = await stack.client.trajectories(trial.trial_id)
         (turn,) = turns_of(export).values()
         assert turn["replays"] == 1
+        assert stack.generations(served) == 1
         # The next request of the conversation: cut after its first event, then resent.
         body2 = {"model": "any", "input": "and now?", "stream": True}
         headers2 = headers | {"x-client-request-id": "turn-2"}
@@ -335,9 +360,13 @@ async def test_codex_style_resend_with_the_same_client_request_id(
             await response.content.readline()
         received = await _responses_text(http, url, body2, headers2, True)
     export = await _settled(stack, trial.trial_id, 3)
+    assert stack.generations(served) == 3  # the first reply, the cut one, its resend
     turns = turns_of(export)
+    assert sorted(turns) == [0, 1, 2]
+    assert [turns[i]["replays"] for i in range(3)] == [1, 0, 0]
+    assert [turns[i]["retry_of"] for i in range(3)] == [None, None, 1]
+    assert [turns[i]["truncated"] for i in range(3)] == [False, True, False]
     assert turns[1]["delivered"] is False
-    assert turns[2]["retry_of"] == 1
     assert trained_texts(export, stack.tokenizer) == sorted([first, received])
 
 
@@ -384,6 +413,7 @@ async def test_a_client_that_leaves_and_never_returns_trains_nothing(stack: Stac
     """A stream the client leaves after its first tokens: the cut turn is in the export,
     undelivered, and trains nothing (the agent never had the whole reply)."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     undelivered = await metric(stack, "relay_turns_undelivered", "openai.chat")
     url = f"{trial.base_url}/chat/completions"
     body = {"model": "any", "messages": [{"role": "user", "content": PROMPT}], "stream": True}
@@ -394,7 +424,9 @@ async def test_a_client_that_leaves_and_never_returns_trains_nothing(stack: Stac
         for _ in range(3):
             await r.content.readline()
     export = await _settled(stack, trial.trial_id, 1)
+    assert stack.generations(served) == 1
     (turn,) = turns_of(export).values()
+    assert turn["replays"] == 0
     assert turn["truncated"] is True
     assert turn["delivered"] is False
     assert trained_texts(export, stack.tokenizer) == []
@@ -408,13 +440,15 @@ async def test_identical_requests_without_a_marker_are_new_samples(stack: Stack,
     """The same body twice, no retry count, no request id, the first reply delivered
     (best-of-n by repeated calls): two samples, both trained."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     first = await ask(api, trial.base_url, trial.api_key, stream=False, max_retries=0)
     second = await ask(api, trial.base_url, trial.api_key, stream=False, max_retries=0)
     assert first != second
     export = await stack.client.trajectories(trial.trial_id)
+    assert stack.generations(served) == 2
     turns = turns_of(export)
-    assert len(turns) == 2
-    assert all(t["retry_of"] is None for t in turns.values())
+    assert sorted(turns) == [0, 1]
+    assert all(t["retry_of"] is None and t["replays"] == 0 for t in turns.values())
     assert trained_texts(export, stack.tokenizer) == sorted([first, second])
 
 
@@ -422,6 +456,7 @@ async def test_a_retry_while_the_first_attempt_generates_joins_it(stack: Stack) 
     """A marked retry that arrives while the first attempt is still sampling waits for it:
     one generation, the same reply to both, one turn trained once."""
     trial = await stack.client.create_session()
+    served = stack.engine.served
     url = f"{trial.base_url}/chat/completions"
     body = {"model": "any", "messages": [{"role": "user", "content": PROMPT}]}
     auth = {"Authorization": f"Bearer {trial.api_key}"}
@@ -437,6 +472,7 @@ async def test_a_retry_while_the_first_attempt_generates_joins_it(stack: Stack) 
         retried = await call({"x-stainless-retry-count": "1"})
         assert await first == retried
     export = await stack.client.trajectories(trial.trial_id)
+    assert stack.generations(served) == 1
     (turn,) = turns_of(export).values()
     assert turn["replays"] == 1
     assert turn["delivered"] is True
@@ -463,7 +499,7 @@ async def test_a_reply_committed_but_never_delivered_is_replayed_after_a_restart
     Code's own loop, retry count 0) gets that committed reply; the chain stays one
     chain and trains exactly what the agent received."""
     data_dir = tmp_path / "data"
-    running = await _start(tiny_model_dir, data_dir)
+    running, engine = await _start(tiny_model_dir, data_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     try:
         async with ProxyClient(running.url) as client:
@@ -483,9 +519,10 @@ async def test_a_reply_committed_but_never_delivered_is_replayed_after_a_restart
                         await request
             summary = await client.get_session(trial.trial_id)
             assert summary["turns"] == 1
+            assert engine.served == 1
         port = int(running.url.rsplit(":", 1)[1])
         await running.stop()
-        running = await _start(tiny_model_dir, data_dir, port)  # the agent's base URL holds
+        running, engine = await _start(tiny_model_dir, data_dir, port)  # the base URL holds
         async with ProxyClient(running.url) as client:
             export = await client.trajectories(trial.trial_id)
             (turn,) = turns_of(export).values()
@@ -498,6 +535,7 @@ async def test_a_reply_committed_but_never_delivered_is_replayed_after_a_restart
             ):
                 got = (await r.json())["choices"][0]["message"]["content"]
             export = await client.trajectories(trial.trial_id)
+            assert engine.served == 0  # answered from the store: nothing sampled anew
             (turn,) = turns_of(export).values()
             assert turn["delivered"] is True
             assert turn["replays"] == 1
