@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from anthropic import APITimeoutError as AnthropicTimeoutError
 from anthropic import AsyncAnthropic
 from openai import APITimeoutError, AsyncOpenAI
 from transformers import AutoTokenizer
@@ -551,47 +552,81 @@ STOPPED = "the agent opens every file of the project and reads it twice " * 3
 STOP_STRING = "ALL DONE"
 
 
+async def _ask_with_stop(
+    api: str, base_url: str, api_key: str, *, client_timeout: float, retry_count: int
+) -> tuple[str, str]:
+    """One non-streamed call with the stop string through the official client of ``api``,
+    no retry of its own (``retry_count`` is the attempt's marker): the text and the
+    reason the reply ended, as the client reads them."""
+    marker = {"x-stainless-retry-count": str(retry_count)}
+    if api == "anthropic":
+        async with AsyncAnthropic(
+            base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0
+        ) as anthropic:
+            message = await anthropic.messages.create(
+                model="any",
+                max_tokens=64,
+                messages=[{"role": "user", "content": PROMPT}],
+                stop_sequences=[STOP_STRING],
+                extra_headers=marker,
+                timeout=client_timeout,
+            )
+            text = "".join(b.text for b in message.content if b.type == "text")
+            return text, f"{message.stop_reason}:{message.stop_sequence}"
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as openai:
+        if api == "completions":
+            completion = await openai.completions.create(
+                model="any",
+                prompt=PROMPT,
+                stop=[STOP_STRING],
+                extra_headers=marker,
+                timeout=client_timeout,
+            )
+            return completion.choices[0].text, completion.choices[0].finish_reason
+        chat = await openai.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": PROMPT}],
+            stop=[STOP_STRING],
+            extra_headers=marker,
+            timeout=client_timeout,
+        )
+        return chat.choices[0].message.content or "", chat.choices[0].finish_reason
+
+
 @pytest.mark.parametrize("when", ["while_sampling", "after_recorded"])
+@pytest.mark.parametrize("api", ["chat", "anthropic", "completions"])
 async def test_a_timed_out_request_with_stop_strings_is_generated_once(
     scripted_stack: tuple[RunningProxy, PacedScriptedEngine],
     scripted: PacedScriptedEngine,
     scripted_client: ProxyClient,
+    api: str,
     when: str,
 ) -> None:
     """A non-streamed request with a stop string whose client times out: the reply is
     sampled on to its stop string, recorded whole and undelivered, and the client's retry
     (retry count 1) gets it, joined while it is sampled or replayed once recorded. One
-    generation, one turn, one replay; trained once, as the agent received it."""
+    generation, one turn, one replay, ended by the stop string; trained once."""
     scripted.delay = 0.02
     scripted.policy = lambda prompt: tiny_reply(f"{STOPPED}{STOP_STRING} and more words")
     trial = await scripted_client.create_session()
-    ask: dict[str, Any] = {
-        "model": "any",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "stop": [STOP_STRING],
-    }
-    async with AsyncOpenAI(
-        base_url=trial.base_url, api_key=trial.api_key, max_retries=0, timeout=0.2
-    ) as openai:
-        with pytest.raises(APITimeoutError):
-            await openai.chat.completions.create(**ask)
-        if when == "after_recorded":
-            deadline = asyncio.get_running_loop().time() + 30 * TIMEOUT_FACTOR
-            while (await scripted_client.get_session(trial.trial_id))["turns"] == 0:
-                assert asyncio.get_running_loop().time() < deadline, "no turn recorded"
-                await asyncio.sleep(0.05)
-        retried = await openai.chat.completions.create(
-            **ask, extra_headers={"x-stainless-retry-count": "1"}, timeout=60 * TIMEOUT_FACTOR
-        )
+    with pytest.raises((APITimeoutError, AnthropicTimeoutError)):
+        await _ask_with_stop(api, trial.base_url, trial.api_key, client_timeout=0.2, retry_count=0)
+    if when == "after_recorded":
+        deadline = asyncio.get_running_loop().time() + 30 * TIMEOUT_FACTOR
+        while (await scripted_client.get_session(trial.trial_id))["turns"] == 0:
+            assert asyncio.get_running_loop().time() < deadline, "no turn recorded"
+            await asyncio.sleep(0.05)
+    got, ended = await _ask_with_stop(
+        api, trial.base_url, trial.api_key, client_timeout=60 * TIMEOUT_FACTOR, retry_count=1
+    )
     export = await scripted_client.trajectories(trial.trial_id)
     tokenizer = scripted.tokenizer
     assert len(scripted.prompts) == 1  # one generation for the two attempts
     (turn,) = turns_of(export).values()
     assert (turn["truncated"], turn["delivered"], turn["replays"]) == (False, True, 1)
     assert turn["stop_sequence"] == STOP_STRING
-    assert retried.choices[0].finish_reason == "stop"
-    got = retried.choices[0].message.content
+    assert ended == (f"stop_sequence:{STOP_STRING}" if api == "anthropic" else "stop")
     assert got == STOPPED
     assert turn_texts(export, tokenizer)[0].startswith(got)
-    assert len(trained_texts(export, tokenizer)) == 1
-    assert trained_texts(export, tokenizer)[0].startswith(got)
+    (trained,) = trained_texts(export, tokenizer)
+    assert trained.startswith(got)
