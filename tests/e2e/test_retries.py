@@ -1,7 +1,8 @@
 """Retried requests end to end: the official openai and anthropic clients retrying on their
 own, Codex-style resends, clients that leave, against a real proxy and a paced ``instant``
-worker. In every test what ``build_samples`` trains with its defaults is exactly what the
-agent received."""
+worker (the scripted worker where a reply must hold a stop string). Every test counts the
+generations the worker started, the turns recorded and their replays exactly, and in every
+test what ``build_samples`` trains with its defaults is what the agent received."""
 
 from __future__ import annotations
 
