@@ -321,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tests/fixtures/families/qwen3): tiny weights on that family's vocabulary and template",
     )
     t.add_argument(
+        "--moe",
+        action="store_true",
+        help="the tiny mixture-of-experts model (Qwen3-MoE's architecture) instead",
+    )
+    t.add_argument(
         "--vlm",
         action="store_true",
         help="the tiny vision-language model (Qwen3-VL's architecture and template) instead",
@@ -712,7 +717,11 @@ def main(argv: list[str] | None = None) -> int:
             from worker_client.families import FamilyError, write_family_model
             from worker_client.tiny_model import write_tiny_model
 
-            if args.vlm:
+            if args.moe:
+                from worker_client.tiny_moe import write_tiny_moe
+
+                path = write_tiny_moe(args.out_dir, seed=args.seed)
+            elif args.vlm:
                 from worker_client.tiny_vlm import write_tiny_vlm
 
                 path = write_tiny_vlm(args.out_dir, seed=args.seed)

@@ -9,7 +9,8 @@
     ├── TaskServerError        a task server refused or lost a run
     │   ├── TaskServerTimeoutError  a run did not finish in time
     │   └── TaskDefinitionError     not a valid Harbor task (or an unsafe archive)
-    └── RemoteAgentLoopError   every attempt at a task failed (``attempts`` says how)
+    ├── RemoteAgentLoopError   every attempt at a task failed (``attempts`` says how)
+    └── RoutingReplayError     recorded routing that does not fit the model it is replayed on
 """
 
 from __future__ import annotations
@@ -58,3 +59,8 @@ class RemoteAgentLoopError(SdkError):
 class TaskDefinitionError(TaskServerError):
     """A task is not a valid Harbor-format task (missing task.toml, instruction.md or
     tests/test.sh, unreadable TOML, an unsafe or oversized archive)."""
+
+
+class RoutingReplayError(SdkError):
+    """Recorded expert routing cannot be replayed on this model: it has no routers, or the
+    rows' layers, experts per token, expert ids or positions do not fit it."""
