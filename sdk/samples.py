@@ -6,13 +6,16 @@ Policies for a session tree with several branches:
 * ``longest``: only the trajectory with the most sampled tokens.
 * ``last``: only the trajectory that ends with the most recent turn.
 
-With ``all``, a turn before a fork belongs to several trajectories. ``shared_turns``
-decides how often its sampled tokens are trained:
+A turn before a fork belongs to several trajectories. ``shared_turns`` decides how often
+its sampled tokens are trained:
 
-* ``once`` (default): in exactly one of them, the trajectory with the most sampled tokens
-  among those containing the turn (the earliest in export order on a tie); in the others
-  the turn stays as context with mask 0. Every sampled token of the episode is then
-  trained exactly once.
+* ``once`` (default): in exactly one of the samples that are kept, the one with the most
+  sampled tokens among those containing the turn (the earliest in export order on a tie);
+  in the others the turn stays as context with mask 0. Ownership is decided after the
+  branch policy, the prompt limit and ``stale="drop"`` have left out what they leave out,
+  so a turn a kept sample shares with a dropped branch is trained in the kept one. Every
+  sampled token of a kept trajectory is then trained exactly once (unless stale or past
+  ``max_response_tokens``).
 * ``each``: with mask 1 in every trajectory that contains it (a shared prefix is trained
   as many times as there are branches after it).
 
@@ -156,70 +159,135 @@ def build_samples(
         origin, trajectories = _received(trajectories)
     if not trajectories:
         return []
-    chosen = list(enumerate(trajectories))
-    if policy is BranchPolicy.LONGEST:
-        chosen = [max(chosen, key=lambda it: sum(it[1]["response_mask"]))]
-    elif policy is BranchPolicy.LAST:
-        chosen = [max(chosen, key=lambda it: max(t["turn"] for t in it[1]["turns"]))]
-    owners = _owners(trajectories) if shared_turns is SharedTurns.ONCE else None
+    chosen = _chosen(list(enumerate(trajectories)), policy)
     reward = scalar_reward(export.get("reward"), reward_key)
-    samples: list[Sample] = []
+    drafts: list[_Draft] = []
     for branch, traj in chosen:
-        prompt = list(traj["prompt_ids"])
-        response = list(traj["response_ids"])
-        mask = list(traj["response_mask"])
-        logprobs = list(traj["response_logprobs"])
-        versions = _versions(traj, len(response))
+        draft = _draft(branch, traj, max_prompt_tokens, max_response_tokens, overlong_prompt)
+        if draft is None:
+            continue
+        oldest = None if current_version is None else current_version - max_staleness
+        if oldest is not None and stale is StaleTokens.DROP and draft.stale_at(oldest):
+            continue
+        drafts.append(draft)
+    # Shared turns go to one of the trajectories that are kept and can train: deciding
+    # among all of them would leave a turn shared with a dropped branch trained nowhere.
+    owners = (
+        _owners([(d.branch, d.traj) for d in drafts if not d.prompt_truncated])
+        if shared_turns is SharedTurns.ONCE
+        else None
+    )
+    samples: list[Sample] = []
+    for draft in drafts:
+        traj, mask = draft.traj, draft.mask
         if owners is not None:
             for turn in traj["turns"]:
-                if owners[turn["turn"]] != branch:  # trained in another trajectory
+                if owners.get(turn["turn"], draft.branch) != draft.branch:
                     start, end = turn["response_start"], turn["response_end"]
-                    mask[start:end] = [0] * (end - start)
-        prompt_truncated = max_prompt_tokens is not None and len(prompt) > max_prompt_tokens
-        if prompt_truncated:
-            assert max_prompt_tokens is not None
-            if overlong_prompt is OverlongPrompt.DROP:
-                continue
-            # Kept so the batch has it, but trains nothing: the cut prompt is not what
-            # the recorded logprobs were computed on.
-            prompt = prompt[len(prompt) - max_prompt_tokens :]
-            mask = [0] * len(mask)
-        response_truncated = max_response_tokens is not None and len(response) > max_response_tokens
-        if response_truncated:
-            assert max_response_tokens is not None
-            response = response[:max_response_tokens]
-            mask = mask[:max_response_tokens]
-            logprobs = logprobs[:max_response_tokens]
-            versions = versions[:max_response_tokens]
+                    mask[start:end] = [0] * len(mask[start:end])
         stale_tokens = 0
         if current_version is not None:
-            oldest = current_version - max_staleness
-            stale_at = [
-                i for i, (v, m) in enumerate(zip(versions, mask, strict=True)) if m and v < oldest
-            ]
-            if stale_at and stale is StaleTokens.DROP:
-                continue
+            stale_at = draft.stale_at(current_version - max_staleness)
             for i in stale_at:
                 mask[i] = 0
             stale_tokens = len(stale_at)
         samples.append(
             Sample(
                 trial_id=str(export.get("trial_id", "")),
-                prompt_ids=prompt,
-                response_ids=response,
+                prompt_ids=draft.prompt,
+                response_ids=draft.response,
                 response_mask=mask,
-                response_logprobs=logprobs,
+                response_logprobs=draft.logprobs,
                 reward=reward,
                 num_turns=len(traj["turns"]),
-                branch=origin[branch],
-                prompt_truncated=prompt_truncated,
-                response_truncated=response_truncated,
+                branch=origin[draft.branch],
+                prompt_truncated=draft.prompt_truncated,
+                response_truncated=draft.response_truncated,
                 turns=list(traj["turns"]),
-                response_versions=[v if m else -1 for v, m in zip(versions, mask, strict=True)],
+                response_versions=[
+                    v if m else -1 for v, m in zip(draft.versions, mask, strict=True)
+                ],
                 stale_tokens=stale_tokens,
             )
         )
     return samples
+
+
+def _chosen(
+    candidates: list[tuple[int, dict[str, Any]]], policy: BranchPolicy
+) -> list[tuple[int, dict[str, Any]]]:
+    """The trajectories the branch policy keeps, with their index among the received."""
+    if policy is BranchPolicy.LONGEST:
+        return [max(candidates, key=lambda it: sum(it[1]["response_mask"]))]
+    if policy is BranchPolicy.LAST:
+        return [max(candidates, key=lambda it: max(t["turn"] for t in it[1]["turns"]))]
+    return candidates
+
+
+@dataclass(slots=True)
+class _Draft:
+    """One kept trajectory cut to the length limits, before shared turns and staleness
+    are masked."""
+
+    branch: int
+    traj: dict[str, Any]
+    prompt: list[int]
+    response: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    prompt_truncated: bool
+    response_truncated: bool
+
+    def stale_at(self, oldest: int) -> list[int]:
+        """Positions of the trained tokens sampled by a version older than ``oldest``."""
+        return [
+            i
+            for i, (v, m) in enumerate(zip(self.versions, self.mask, strict=True))
+            if m and v < oldest
+        ]
+
+
+def _draft(
+    branch: int,
+    traj: dict[str, Any],
+    max_prompt_tokens: int | None,
+    max_response_tokens: int | None,
+    overlong_prompt: OverlongPrompt,
+) -> _Draft | None:
+    """The trajectory within the length limits; None when its prompt drops it."""
+    prompt = list(traj["prompt_ids"])
+    response = list(traj["response_ids"])
+    mask = list(traj["response_mask"])
+    logprobs = list(traj["response_logprobs"])
+    versions = _versions(traj, len(response))
+    prompt_truncated = max_prompt_tokens is not None and len(prompt) > max_prompt_tokens
+    if prompt_truncated:
+        assert max_prompt_tokens is not None
+        if overlong_prompt is OverlongPrompt.DROP:
+            return None
+        # Kept so the batch has it, but trains nothing: the cut prompt is not what the
+        # recorded logprobs were computed on.
+        prompt = prompt[len(prompt) - max_prompt_tokens :]
+        mask = [0] * len(mask)
+    response_truncated = max_response_tokens is not None and len(response) > max_response_tokens
+    if response_truncated:
+        assert max_response_tokens is not None
+        response = response[:max_response_tokens]
+        mask = mask[:max_response_tokens]
+        logprobs = logprobs[:max_response_tokens]
+        versions = versions[:max_response_tokens]
+    return _Draft(
+        branch,
+        traj,
+        prompt,
+        response,
+        mask,
+        logprobs,
+        versions,
+        prompt_truncated,
+        response_truncated,
+    )
 
 
 def _versions(traj: dict[str, Any], length: int) -> list[int]:
@@ -237,12 +305,12 @@ def _versions(traj: dict[str, Any], length: int) -> list[int]:
     return out
 
 
-def _owners(trajectories: list[dict[str, Any]]) -> dict[int, int]:
-    """Per turn index, the trajectory that trains it: the one with the most sampled tokens
-    among those containing it, the earliest on a tie."""
+def _owners(trajectories: list[tuple[int, dict[str, Any]]]) -> dict[int, int]:
+    """Per turn index, the trajectory (by its branch number) that trains it: the one with
+    the most sampled tokens among those given that contain it, the earliest on a tie."""
     owners: dict[int, int] = {}
-    sampled = [sum(t["response_mask"]) for t in trajectories]
-    for branch, traj in enumerate(trajectories):
+    sampled = {branch: sum(traj["response_mask"]) for branch, traj in trajectories}
+    for branch, traj in trajectories:
         for turn in traj["turns"]:
             held = owners.get(turn["turn"])
             if held is None or sampled[branch] > sampled[held]:

@@ -7,6 +7,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.sessions.model import Session, TrialId, TurnMeta, TurnNode
 from sdk.samples import (
@@ -290,3 +292,107 @@ def test_keep_undelivered_trains_the_export_as_it_is() -> None:
         3,
     ]
     assert [s.branch for s in build_samples(EXPORT)] == [0, 1, 2]
+
+
+def test_the_last_branch_trains_the_turns_it_shares_with_dropped_ones() -> None:
+    """``last`` keeps the trajectory with the newest turn; turn 0, which it shares with a
+    dropped branch, is trained in it (the dropped branch trains nothing)."""
+    (last,) = build_samples(EXPORT, policy=BranchPolicy.LAST)
+    assert last.branch == 2
+    assert last.response_mask == [1, 0, 1]
+    (longest,) = build_samples(EXPORT, policy=BranchPolicy.LONGEST)
+    assert longest.response_mask == [1, 1, 1, 0, 1]
+
+
+# A forked trial: per turn, its parent (an earlier turn, or None for a new root), the context
+# tokens before its reply, its reply's length, the weights version that sampled it, and
+# whether the reply reached the agent.
+_TURN = st.tuples(
+    st.integers(0, 100),  # picks the parent among the earlier turns (or a new root)
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.booleans(),
+)
+
+
+def _forked_trial(shape: list[tuple[int, int, int, int, bool]]) -> dict[str, Any]:
+    """A real session tree of that shape; turn i's reply ids are 1000 * (i + 1) + j, so a
+    trained token says which turn and position it is."""
+    session = Session(TrialId("t"), "key")
+    for index, (pick, context, reply, version, delivered) in enumerate(shape):
+        parent = None if index == 0 or pick % (index + 1) == index else pick % (index + 1)
+        base = 1000 * (index + 1)
+        session.add_turn(
+            TurnNode(
+                index=index,
+                parent=parent,
+                context_ids=array("i", [7] * context),
+                completion_ids=array("i", range(base, base + reply)),
+                logprobs=array("f", [-0.5] * reply),
+                prompt_len=context + (session.nodes[parent].end if parent is not None else 0),
+                key=index.to_bytes(16, "big"),
+                meta=TurnMeta(
+                    "openai.chat",
+                    "m",
+                    "m",
+                    "w",
+                    "stop",
+                    {},
+                    0.0,
+                    0.0,
+                    0.0,
+                    "x",
+                    versions=[[version, 0, reply]],
+                    delivered=delivered,
+                ),
+            )
+        )
+    export = session.export()
+    export["reward"] = 1.0
+    return export
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(_TURN, min_size=1, max_size=8),
+    policy=st.sampled_from(list(BranchPolicy)),
+    current=st.one_of(st.none(), st.integers(0, 4)),
+    stale=st.sampled_from(list(StaleTokens)),
+    limit=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_every_kept_sampled_token_is_trained_exactly_once(
+    shape: list[tuple[int, int, int, int, bool]],
+    policy: BranchPolicy,
+    current: int | None,
+    stale: StaleTokens,
+    limit: int | None,
+) -> None:
+    """Whatever the branch policy, over any forked trial: every sampled token of a kept
+    trajectory (within the response limit, not stale) is trained in exactly one kept
+    sample, and no token is trained twice."""
+    export = _forked_trial(shape)
+    samples = build_samples(
+        export,
+        policy=policy,
+        current_version=current,
+        stale=stale,
+        max_response_tokens=limit,
+    )
+    if policy is not BranchPolicy.ALL:
+        assert len(samples) <= 1
+    trained: Counter[int] = Counter()
+    trainable: set[int] = set()
+    for sample in samples:
+        for i, (token, bit) in enumerate(
+            zip(sample.response_ids, sample.response_mask, strict=True)
+        ):
+            trained[token] += bit
+        for turn in sample.turns:
+            start, end = turn["response_start"], turn["response_end"]
+            version = turn["versions"][0][0]
+            fresh = current is None or version >= current - 1
+            if fresh:
+                trainable.update(sample.response_ids[start : min(end, len(sample.response_ids))])
+    assert all(count <= 1 for count in trained.values())
+    assert set(+trained) == trainable
