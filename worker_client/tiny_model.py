@@ -31,11 +31,14 @@ template or shapes). ``rollout-relay tiny-model DIR`` writes a new one.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -486,22 +489,74 @@ def random_model(
 
 
 def save_atomically(
-    out_dir: Path, model: Any, tokenizer: Any, files: dict[str, str] | None = None
+    out_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    files: dict[str, str] | None = None,
+    *,
+    state_dict: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save a model, its tokenizer and ``files`` (name: text) to ``out_dir``, replacing it
-    whole or not at all."""
+    whole or not at all.
+
+    ``state_dict``: the weights to write instead of the model's own (a trainer's gathered
+    state dict under ZeRO-3 or FSDP, where the local model holds only a shard).
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:
-        model.save_pretrained(staging)
+        if state_dict is None:
+            model.save_pretrained(staging)
+        else:
+            model.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         for name, text in (files or {}).items():
             (staging / name).write_text(text, encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
+        if not out_dir.exists():
+            staging.rename(out_dir)
+        elif _exchange(staging, out_dir):
+            # The new checkpoint took the old one's name in one step; the old one now
+            # sits in the staging directory, removed with it below.
+            pass
+        else:
+            # Without an atomic exchange, the old one is moved aside (never removed)
+            # before the new one takes its name: a crash between the two renames leaves it
+            # whole under the aside name.
+            aside = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
+            aside.rmdir()
+            out_dir.rename(aside)
+            staging.rename(out_dir)
+            staging = aside
+        shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories' names in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or the file system cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}:
+        return False
+    raise OSError(code, os.strerror(code), str(b))

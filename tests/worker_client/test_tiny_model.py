@@ -4,6 +4,7 @@ template, and a deterministic generator."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +338,58 @@ def test_shipped_model_is_the_generators_output(tmp_path: Path) -> None:
     assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in initial.items()}
     # Trained, not the seed's random initialisation.
     assert any(not torch.equal(weights[k], initial[k]) for k in weights)
+
+
+class _Saved:
+    """What ``save_atomically`` writes with: an object that saves one named file."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.text = text
+
+    def save_pretrained(self, directory: Path, **_: Any) -> None:
+        (Path(directory) / self.name).write_text(self.text)
+
+
+class _Crash(BaseException):
+    """The process dying at that instant: nothing after it runs."""
+
+
+def test_a_crash_while_replacing_a_checkpoint_leaves_a_whole_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dying right after the first directory removal of a replace leaves the old or the
+    new checkpoint in place, never none."""
+    out = tmp_path / "step-1"
+    tiny_model.save_atomically(out, _Saved("config.json", "old"), _Saved("tokenizer.json", "t"))
+    real = shutil.rmtree
+    crashed: list[str] = []
+
+    def rmtree_then_die(path: Any, *args: Any, **kwargs: Any) -> None:
+        if crashed:
+            return  # the process is gone: nothing more happens
+        real(path, *args, **kwargs)
+        crashed.append(str(path))
+        raise _Crash
+
+    monkeypatch.setattr(tiny_model.shutil, "rmtree", rmtree_then_die)
+    with pytest.raises(_Crash):
+        tiny_model.save_atomically(out, _Saved("config.json", "new"), _Saved("tokenizer.json", "t"))
+    assert crashed
+    assert (out / "config.json").read_text() in {"old", "new"}
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_save_atomically_replaces_a_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """A second save replaces the first whole (no file of the old one left), with the
+    atomic exchange and without it; no staging directory stays behind."""
+    if not exchange:
+        monkeypatch.setattr(tiny_model, "_exchange", lambda a, b: False)
+    out = tmp_path / "ckpt"
+    tiny_model.save_atomically(out, _Saved("old.json", "1"), _Saved("tokenizer.json", "t"))
+    tiny_model.save_atomically(out, _Saved("new.json", "2"), _Saved("tokenizer.json", "t"))
+    assert sorted(p.name for p in out.iterdir()) == ["new.json", "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
