@@ -9,14 +9,17 @@ as an agent in a sandbox would, so that every call is recorded.
 
 An exception raised by the callable fails the run (``RunStatus.FAILED`` with the error), a
 cancel or timeout cancels its task. A run is forgotten once its finished result has been
-handed out by ``wait``.
+handed out by ``wait``, or once it is cancelled (``RemoteAgentLoop`` never waits on a run
+it cancelled): the result of a cancelled run stays for ``wait`` only among the last
+``ENDED_KEPT`` cancelled ones, so a long training run holds no more than its running runs
+and that many results.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,6 +30,7 @@ from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
 AgentFn = Callable[[RunSpec], Awaitable[Mapping[str, float]]]
 
 SERVER_NAME = "in-process"
+ENDED_KEPT = 64  # results of cancelled runs kept for a later ``wait``
 
 
 @dataclass(slots=True)
@@ -55,10 +59,16 @@ class InProcessTaskServer:
         self.agent = agent
         self._slots = asyncio.Semaphore(max_concurrent_runs) if max_concurrent_runs else None
         self._runs: dict[RunId, _Run] = {}
+        self._ended: OrderedDict[RunId, RunResult] = OrderedDict()  # cancelled, not waited
         self._numbers = itertools.count(1)
 
     def __repr__(self) -> str:
-        return f"<InProcessTaskServer runs={len(self._runs)}>"
+        return f"<InProcessTaskServer runs={len(self._runs)} ended={len(self._ended)}>"
+
+    @property
+    def held_runs(self) -> int:
+        """Runs this server still holds: running or finished but not yet handed out."""
+        return len(self._runs) + len(self._ended)
 
     async def _execute(self, spec: RunSpec) -> Mapping[str, float]:
         if self._slots is None:
@@ -73,6 +83,9 @@ class InProcessTaskServer:
         return RunHandle(run_id, SERVER_NAME)
 
     async def wait(self, handle: RunHandle, *, timeout_seconds: float | None = None) -> RunResult:
+        ended = self._ended.pop(handle.run_id, None)
+        if ended is not None:
+            return ended
         run = self._runs.get(handle.run_id)
         if run is None:
             raise TaskServerError(f"unknown run {handle.run_id}")
@@ -84,14 +97,21 @@ class InProcessTaskServer:
         return run_result(handle.run_id, run.task)
 
     async def cancel(self, handle: RunHandle) -> None:
-        run = self._runs.get(handle.run_id)
-        if run is None or run.task.done():
+        run = self._runs.pop(handle.run_id, None)
+        if run is None:
             return
-        run.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await run.task
+        if not run.task.done():
+            run.task.cancel()
+            # asyncio.wait raises nothing: awaiting the task would raise its cancellation
+            # here, and that exception's traceback would keep this frame (and the run)
+            # alive as long as the task.
+            await asyncio.wait({run.task})
+        self._ended[handle.run_id] = run_result(handle.run_id, run.task)
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     async def aclose(self) -> None:
         for run_id in list(self._runs):
             await self.cancel(RunHandle(run_id, SERVER_NAME))
         self._runs.clear()
+        self._ended.clear()

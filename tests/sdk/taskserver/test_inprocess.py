@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from sdk.exceptions import TaskServerError, TaskServerTimeoutError
 from sdk.taskserver.base import RunSpec, RunStatus
+from sdk.taskserver import inprocess
 from sdk.taskserver.inprocess import InProcessTaskServer
 
 
@@ -98,4 +100,40 @@ async def test_max_concurrent_runs_bounds_the_agents_running_at_once() -> None:
     results = [await server.wait(h, timeout_seconds=10) for h in handles]
     assert [r.status for r in results] == [RunStatus.SUCCEEDED] * 6
     assert peak == 2
+    await server.aclose()
+
+
+def _live_runs() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is inprocess._Run)
+
+
+async def test_cancelled_runs_are_forgotten_so_a_long_run_stays_flat() -> None:
+    """Runs cancelled after a timeout (as RemoteAgentLoop does, never waiting on them
+    again) and runs cancelled after they ended are not kept: after 300 of them the server
+    holds only the one still running and the last ``ENDED_KEPT`` cancelled results."""
+
+    async def agent(spec: RunSpec) -> Mapping[str, float]:
+        if spec.task.name == "quick":
+            return {"reward": 1.0}
+        await asyncio.Event().wait()
+        return {}
+
+    server = InProcessTaskServer(agent)
+    before = _live_runs()
+    for i in range(150):
+        handle = await server.submit(_spec(f"slow-{i}"))
+        with pytest.raises(TaskServerTimeoutError):
+            await server.wait(handle, timeout_seconds=0)
+        await server.cancel(handle)
+        done = await server.submit(_spec("quick"))
+        await asyncio.sleep(0)  # it ends before anyone waits for it
+        await server.cancel(done)
+    running = await server.submit(_spec("slow-kept"))
+    assert _live_runs() - before == 1
+    assert server.held_runs == 1 + inprocess.ENDED_KEPT
+    await server.cancel(running)
+    assert _live_runs() - before == 0
+    assert server.held_runs == inprocess.ENDED_KEPT
+    assert (await server.wait(running)).status is RunStatus.CANCELLED
     await server.aclose()
