@@ -7,6 +7,7 @@ One ``aiohttp.ClientSession`` is reused for every call (connection pooling); cre
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import aiohttp
 from relay.cluster import owner
 from sdk.exceptions import (
     ProxyAuthError,
+    ProxyConnectionError,
     ProxyRequestError,
     SessionNotFoundError,
 )
@@ -96,7 +98,9 @@ class ProxyClient(HttpClient):
             return await self._request(method, path, payload)
         try:
             return await self._request(method, path, payload, base=base)
-        except aiohttp.ClientConnectorError:
+        except ProxyConnectionError as exc:
+            if not exc.refused:
+                raise
             return await self._request(method, path, payload)
 
     async def _request(
@@ -108,23 +112,39 @@ class ProxyClient(HttpClient):
         base: str | None = None,
         total_seconds: float | None = None,
     ) -> Any:
+        """One call; every failure is an ``SdkError``: an answer that is not the API's
+        (a load balancer's HTML error page) a ``ProxyRequestError`` with its status, no
+        answer at all (refused, reset, timed out) a ``ProxyConnectionError``."""
+        url = f"{base or self.proxy_url}{path}"
         options: dict[str, Any] = {"json": payload, "ssl": self._ssl}
         if total_seconds is not None:
             options["timeout"] = aiohttp.ClientTimeout(total=total_seconds)
-        async with self._session().request(
-            method, f"{base or self.proxy_url}{path}", **options
-        ) as response:
-            data = await response.json(content_type=None)
-            if response.status >= 400:
-                error = data.get("error", {}) if isinstance(data, dict) else {}
-                cls = _ERRORS.get(response.status, ProxyRequestError)
-                raise cls(
-                    response.status,
-                    str(error.get("type", "error")),
-                    error.get("code"),
-                    str(error.get("message", response.reason)),
-                )
-            return data
+        try:
+            async with self._session().request(method, url, **options) as response:
+                body = await response.read()
+                status, reason = response.status, response.reason
+        except aiohttp.ClientConnectorError as exc:
+            raise ProxyConnectionError(f"{method} {url}: {exc}", refused=True) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            detail = str(exc) or "no answer in time"
+            raise ProxyConnectionError(f"{method} {url}: {type(exc).__name__}: {detail}") from exc
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            text = body[:200].decode("utf-8", "replace")
+            raise ProxyRequestError(
+                status, "invalid_response", "not_json", f"{reason}: not JSON: {text!r}"
+            ) from None
+        if status >= 400:
+            error = data.get("error", {}) if isinstance(data, dict) else {}
+            cls = _ERRORS.get(status, ProxyRequestError)
+            raise cls(
+                status,
+                str(error.get("type", "error")),
+                error.get("code"),
+                str(error.get("message", reason)),
+            )
+        return data
 
     # ------------------------------------------------------------------ API
 

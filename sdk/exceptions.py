@@ -6,6 +6,7 @@
     ├── ProxyRequestError      the proxy answered with an error (status, type, code)
     │   ├── ProxyAuthError         401/403: missing or wrong admin token
     │   └── SessionNotFoundError   404 for a trial
+    ├── ProxyConnectionError   no answer from the proxy: refused, reset, timed out
     ├── TaskServerError        a task server refused or lost a run
     │   ├── TaskServerTimeoutError  a run did not finish in time
     │   └── TaskDefinitionError     not a valid Harbor task (or an unsafe archive)
@@ -30,6 +31,15 @@ class ProxyRequestError(SdkError):
         self.error_type = error_type
         self.code = code
         self.message = message
+
+
+class ProxyConnectionError(SdkError):
+    """The proxy gave no answer: the connection was refused or dropped, or the request
+    timed out. ``refused``: no connection was made at all (nothing reached the proxy)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class SessionNotFoundError(ProxyRequestError):

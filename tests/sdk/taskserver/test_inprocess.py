@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from sdk.exceptions import TaskServerError, TaskServerTimeoutError
-from sdk.taskserver.base import RunSpec, RunStatus
 from sdk.taskserver import inprocess
+from sdk.taskserver.base import RunSpec, RunStatus
 from sdk.taskserver.inprocess import InProcessTaskServer
 
 
