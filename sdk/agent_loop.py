@@ -12,8 +12,20 @@ Framework-neutral: training-framework adapters (``sdk.verl``) wrap it. One call 
 
 A failed, cancelled or timed-out run is retried (at most ``max_attempts`` in all), each time
 on a NEW trial: turns sampled during a failed attempt are deleted with its session and never
-leak into the samples of the next one. When every attempt fails, ``RemoteAgentLoopError``
-carries the attempts.
+leak into the samples of the next one. A network fault on the way counts the same: the
+proxy or a task server refusing the connection, dropping it, timing out or answering with
+something that is not its API (a load balancer's HTML error page). Before each retry the
+loop waits ``retry_backoff_seconds`` doubled per failed attempt, at most
+``retry_backoff_max_seconds``, times a random factor in [0.5, 1] (episodes that failed
+together do not come back together). When every attempt fails, ``RemoteAgentLoopError``
+carries the attempts; no other exception leaves ``run`` (but cancellation).
+
+Staleness: tokens sampled more than ``max_staleness`` versions (default 1) before the
+current policy version are masked (``stale="mask"``) or drop their sample
+(``stale="drop"``), see ``sdk.samples``. The current version is the one ``run`` is given
+(a trainer that pushes its weights knows it), else the one the proxy's workers serve when
+the samples are built (``GET /weights``); never older than the newest version among the
+episode's own tokens. ``max_staleness=None`` turns the limit off.
 
 Policy versions: a worker that reports the weights version it sampled with (turn
 ``extra["policy_version"]``, see ``worker_client.policy``) makes every sample carry the
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +53,16 @@ from sdk.exceptions import (
     SessionNotFoundError,
     TaskServerTimeoutError,
 )
-from sdk.samples import BranchPolicy, OverlongPrompt, Sample, SharedTurns, build_samples
+from sdk.samples import (
+    DEFAULT_MAX_STALENESS,
+    BranchPolicy,
+    OverlongPrompt,
+    Sample,
+    SharedTurns,
+    StaleTokens,
+    build_samples,
+    newest_version,
+)
 from sdk.taskserver.base import RunHandle, RunResult, RunSpec, RunStatus, TaskServer
 
 
@@ -57,6 +79,18 @@ class AttemptState(enum.Enum):
 
 _ORDER = list(AttemptState)
 
+# What an attempt may meet that is a failure of that attempt, not of the program: the SDK's
+# own errors and, from a task server implemented elsewhere, the network's.
+_ATTEMPT_FAULTS = (SdkError, aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+def retry_delay(failed: int, base: float, cap: float, jitter: float) -> float:
+    """Seconds to wait after ``failed`` failed attempts: ``base`` doubled per failure
+    after the first, at most ``cap``, times ``jitter`` (drawn in [0.5, 1])."""
+    if failed < 1:
+        return 0.0
+    return float(min(cap, base * 2.0 ** (failed - 1)) * jitter)
+
 
 @dataclass(slots=True, frozen=True)
 class AgentLoopConfig:
@@ -65,8 +99,10 @@ class AgentLoopConfig:
     ``agent``/``model``/``agent_settings`` go to the task server; ``sampling`` (temperature,
     top_p, top_k, seed, max_tokens) is the trial's sampling on the proxy, which overrides
     what the agent asks for. ``branch_policy``, ``shared_turns``, ``max_prompt_tokens`` /
-    ``max_response_tokens``, ``overlong_prompt`` and ``keep_undelivered`` (train replies
-    the agent never received too): see ``sdk.samples``.
+    ``max_response_tokens``, ``overlong_prompt``, ``keep_undelivered`` (train replies
+    the agent never received too), ``max_staleness`` (None: no limit) and ``stale``: see
+    ``sdk.samples``. ``max_attempts`` and the ``retry_backoff_*`` settings: see the
+    module docstring.
     """
 
     agent: str
@@ -84,13 +120,22 @@ class AgentLoopConfig:
     # A finished run without any reward: retry it (True) or keep its samples unrewarded.
     retry_without_reward: bool = True
     keep_undelivered: bool = False
+    max_staleness: int | None = DEFAULT_MAX_STALENESS
+    stale: StaleTokens = StaleTokens.MASK
+    retry_backoff_seconds: float = 0.5
+    retry_backoff_max_seconds: float = 8.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if self.timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be at least 0 (or None: no limit)")
+        if self.retry_backoff_seconds < 0 or self.retry_backoff_max_seconds < 0:
+            raise ValueError("retry backoff seconds must not be negative")
         object.__setattr__(self, "branch_policy", BranchPolicy(self.branch_policy))
+        object.__setattr__(self, "stale", StaleTokens(self.stale))
         object.__setattr__(self, "shared_turns", SharedTurns(self.shared_turns))
         object.__setattr__(self, "overlong_prompt", OverlongPrompt(self.overlong_prompt))
 
@@ -128,6 +173,8 @@ class RolloutResult:
     rewards: Mapping[str, float]
     attempts: list[Attempt]
     timings: dict[str, float]  # seconds: "agent_run", "collect", "total"
+    # The policy version staleness was measured against (None: no limit applied).
+    current_version: int | None = None
 
     @property
     def policy_versions(self) -> list[int]:
@@ -152,25 +199,44 @@ class RemoteAgentLoop:
         *,
         metadata: Mapping[str, Any] | None = None,
         sampling: Mapping[str, Any] | None = None,
+        current_version: int | None = None,
     ) -> RolloutResult:
         """Run ``task`` until one attempt succeeds (see the module docstring).
 
-        ``sampling`` overrides the configured trial sampling for this task only.
+        ``sampling`` overrides the configured trial sampling for this task only;
+        ``current_version`` is the policy version the trainer is at (None: ask the proxy).
         Raises ``RemoteAgentLoopError`` when every attempt failed.
         """
+        cfg = self.config
         task_path = Path(task)
         started = time.monotonic()
         attempts: list[Attempt] = []
-        for number in range(1, self.config.max_attempts + 1):
+        for number in range(1, cfg.max_attempts + 1):
+            if number > 1:
+                await asyncio.sleep(
+                    retry_delay(
+                        number - 1,
+                        cfg.retry_backoff_seconds,
+                        cfg.retry_backoff_max_seconds,
+                        random.uniform(0.5, 1.0),
+                    )
+                )
             attempt = Attempt(number)
             attempts.append(attempt)
-            outcome = await self._attempt(attempt, task_path, metadata, sampling)
+            outcome = await self._attempt(attempt, task_path, metadata, sampling, current_version)
             if outcome is not None:
-                samples, rewards, reward, timings = outcome
+                samples, rewards, reward, timings, version = outcome
                 timings["total"] = time.monotonic() - started
                 assert attempt.trial_id is not None
                 return RolloutResult(
-                    task_path, attempt.trial_id, samples, reward, rewards, attempts, timings
+                    task_path,
+                    attempt.trial_id,
+                    samples,
+                    reward,
+                    rewards,
+                    attempts,
+                    timings,
+                    version,
                 )
         raise RemoteAgentLoopError(
             f"{task_path}: all {len(attempts)} attempts failed: "
@@ -184,7 +250,10 @@ class RemoteAgentLoop:
         task: Path,
         metadata: Mapping[str, Any] | None,
         sampling: Mapping[str, Any] | None,
-    ) -> tuple[list[Sample], Mapping[str, float], float | None, dict[str, float]] | None:
+        current_version: int | None,
+    ) -> (
+        tuple[list[Sample], Mapping[str, float], float | None, dict[str, float], int | None] | None
+    ):
         cfg = self.config
         trial: TrialSession | None = None
         try:
@@ -221,6 +290,7 @@ class RemoteAgentLoop:
             rewards = dict(result.rewards)
             await self.proxy.complete(trial.trial_id, rewards or None)
             export = await self.proxy.trajectories(trial.trial_id)
+            version = await self._current_version(export, current_version)
             samples = build_samples(
                 export,
                 policy=cfg.branch_policy,
@@ -230,23 +300,42 @@ class RemoteAgentLoop:
                 shared_turns=cfg.shared_turns,
                 overlong_prompt=cfg.overlong_prompt,
                 keep_undelivered=cfg.keep_undelivered,
+                current_version=version,
+                max_staleness=cfg.max_staleness or 0,
+                stale=cfg.stale,
             )
             if not samples:
-                attempt.error = _why_no_samples(export, cfg)
+                attempt.error = _why_no_samples(export, cfg, version)
                 return None
             attempt.advance(AttemptState.COLLECTED)
             timings = {
                 "agent_run": agent_seconds,
                 "collect": time.monotonic() - collect_started,
             }
-            return samples, rewards, samples[0].reward, timings
-        except SdkError as exc:
+            return samples, rewards, samples[0].reward, timings, version
+        except _ATTEMPT_FAULTS as exc:
             attempt.error = f"{type(exc).__name__}: {exc}"
             return None
         finally:
             attempt.seconds = time.monotonic() - attempt.started_at
             if trial is not None:
                 await self._delete(trial.trial_id, attempt)
+
+    async def _current_version(self, export: dict[str, Any], given: int | None) -> int | None:
+        """The version staleness is measured against (None: no limit): the one given, or
+        the one the workers serve now; never below the newest of the episode's tokens,
+        which some worker served already (versions only increase)."""
+        if self.config.max_staleness is None:
+            return None
+        known = given
+        if known is None:
+            try:
+                known = int((await self.proxy.weights())["version"])
+            except ProxyRequestError:
+                known = None  # a proxy without the weights API: the tokens say it
+        newest = newest_version(export)
+        candidates = [v for v in (known, newest) if v is not None]
+        return max(candidates) if candidates else None
 
     async def _wait(self, handle: RunHandle) -> RunResult:
         try:
@@ -272,18 +361,29 @@ class RemoteAgentLoop:
             if not (exc.status == 409 and "deleted" in exc.message):
                 attempt.error = attempt.error or f"delete failed: {exc}"
                 return
-        except (SdkError, aiohttp.ClientError, OSError) as exc:
+        except (*_ATTEMPT_FAULTS, OSError) as exc:
             if attempt.error is None:
                 attempt.error = f"delete failed: {exc}"
             return
         attempt.advance(AttemptState.DELETED)
 
 
-def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig) -> str:
+def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig, version: int | None) -> str:
     if not export.get("trajectories"):
         return "the agent made no model call through the proxy"
     if not build_samples(export, keep_undelivered=cfg.keep_undelivered):
         return "no reply reached the agent: every turn was undelivered or superseded by a retry"
+    if version is not None and not build_samples(
+        export,
+        keep_undelivered=cfg.keep_undelivered,
+        current_version=version,
+        max_staleness=cfg.max_staleness or 0,
+        stale=cfg.stale,
+    ):
+        return (
+            f"every trajectory holds a token more than max_staleness={cfg.max_staleness} "
+            f"versions older than version {version} (dropped: stale=drop)"
+        )
     return (
         f"every trajectory's prompt is over max_prompt_tokens="
         f"{cfg.max_prompt_tokens} (dropped: overlong_prompt=drop)"

@@ -3,22 +3,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rollout_relay.embedded import RunningProxy
-from sdk.agent_loop import AgentLoopConfig, AttemptState, RemoteAgentLoop
+from sdk.agent_loop import AgentLoopConfig, AttemptState, RemoteAgentLoop, retry_delay
 from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError, RemoteAgentLoopError, SessionNotFoundError
 from sdk.fidelity import check_fidelity
 from sdk.samples import BranchPolicy
+from sdk.taskserver.inprocess import InProcessTaskServer
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.sdk.conftest import AGENTS, LocalTaskServer
+from tests.sdk.faults import Fault, FaultyFront, route_of
+from tests.sdk.inprocess_agents import one_call, one_call_server
 from worker_client.backends.hf import HFEngine
 
 AGENT = str(AGENTS / "chat_agent.py")
 SAMPLING = {"temperature": 1.0, "top_p": 1.0}
+CREATE = route_of("POST", "/sessions")
+COMPLETE = route_of("POST", "/sessions/x/complete")
 
 
 def _config(**overrides: object) -> AgentLoopConfig:
@@ -186,3 +193,94 @@ async def test_length_limits_flag_truncation(
     with pytest.raises(RemoteAgentLoopError) as failed:
         await dropping.run(harbor_task)
     assert "over max_prompt_tokens=4" in str(failed.value)
+
+
+async def _front(stack: RunningProxy, fault: Fault, route: str, times: int) -> FaultyFront:
+    front = FaultyFront(stack.url, fault, route, times)
+    await front.start()
+    return front
+
+
+def _fast_retries(**overrides: object) -> AgentLoopConfig:
+    values: dict[str, object] = {
+        "agent": "one-call",
+        "max_attempts": 2,
+        "timeout_seconds": 60 * TIMEOUT_FACTOR,
+        "retry_backoff_seconds": 0.01,
+    }
+    values.update(overrides)
+    return AgentLoopConfig(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fault", list(Fault))
+async def test_a_proxy_fault_mid_run_is_retried_on_a_fresh_trial(
+    stack: RunningProxy, harbor_task: Path, fault: Fault
+) -> None:
+    """The proxy's connection drops (or an HTML error page, or a timeout) when the run's
+    reward is posted: the attempt fails, the loop tries once more on a new trial and
+    succeeds; exactly two trials were created and both are deleted."""
+    front = await _front(stack, fault, COMPLETE, times=1)
+    try:
+        async with ProxyClient(front.url, timeout_seconds=3 * TIMEOUT_FACTOR) as proxy:
+            loop = RemoteAgentLoop(proxy, one_call_server(), _fast_retries())
+            result = await loop.run(harbor_task)
+            first, second = result.attempts
+            assert first.error is not None
+            assert {"ProxyConnectionError", "ProxyRequestError"} & {first.error.split(":")[0]}
+            assert second.error is None
+            assert [a.state for a in result.attempts] == [AttemptState.DELETED] * 2
+            assert first.trial_id != second.trial_id == result.trial_id
+            assert [s.num_turns for s in result.samples] == [1]
+            assert front.seen[CREATE] == 2
+            assert front.seen[COMPLETE] == 2
+            assert front.faulted == 1
+            for attempt in result.attempts:
+                await _assert_deleted(proxy, attempt.trial_id)
+    finally:
+        await front.stop()
+
+
+async def test_an_exhausted_budget_raises_the_loops_error_not_the_networks(
+    stack: RunningProxy, harbor_task: Path
+) -> None:
+    """Every attempt meets a dropped connection: exactly ``max_attempts`` trials, then
+    ``RemoteAgentLoopError`` listing them (no aiohttp exception escapes)."""
+    front = await _front(stack, Fault.RESET, COMPLETE, times=100)
+    try:
+        async with ProxyClient(front.url) as proxy:
+            loop = RemoteAgentLoop(proxy, one_call_server(), _fast_retries(max_attempts=3))
+            with pytest.raises(RemoteAgentLoopError, match="all 3 attempts failed") as info:
+                await loop.run(harbor_task)
+            assert len(info.value.attempts) == 3
+            assert all("ProxyConnectionError" in str(a.error) for a in info.value.attempts)
+            assert front.seen[CREATE] == 3
+            assert front.faulted == 3
+    finally:
+        await front.stop()
+
+
+def test_the_retry_delay_doubles_up_to_its_cap() -> None:
+    """0.5 s, 1 s, 2 s ... at most the cap, scaled by the jitter; nothing before a first
+    failure."""
+    assert [retry_delay(n, 0.5, 8.0, 1.0) for n in range(7)] == [0, 0.5, 1, 2, 4, 8, 8]
+    assert retry_delay(3, 0.5, 8.0, 0.5) == 1.0
+
+
+async def test_the_loop_waits_before_a_retry(
+    stack: RunningProxy, proxy_client: ProxyClient, harbor_task: Path
+) -> None:
+    """A retry starts no sooner than half the backoff after the failed attempt ended."""
+
+    async def fails_once(spec: Any) -> Mapping[str, float]:
+        if not failed:
+            failed.append(spec)
+            raise RuntimeError("the sandbox broke")
+        return await one_call(spec)
+
+    failed: list[Any] = []
+    loop = RemoteAgentLoop(
+        proxy_client, InProcessTaskServer(fails_once), _fast_retries(retry_backoff_seconds=0.4)
+    )
+    result = await loop.run(harbor_task)
+    first, second = result.attempts
+    assert second.started_at - (first.started_at + first.seconds) >= 0.2
