@@ -290,6 +290,17 @@ def _draft(
     )
 
 
+def newest_version(export: dict[str, Any]) -> int | None:
+    """The newest weights version that sampled any token of the export (None: none says)."""
+    newest: int | None = None
+    for traj in export.get("trajectories", []):
+        versions = _versions(traj, len(traj["response_ids"]))
+        top = max((v for v in versions if v >= 0), default=None)
+        if top is not None and (newest is None or top > newest):
+            newest = top
+    return newest
+
+
 def _versions(traj: dict[str, Any], length: int) -> list[int]:
     """The trajectory's ``response_versions``; an export from before versions were kept
     per token gets each turn's ``extra["policy_version"]`` (0 when it has none)."""

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from proxy.config import ProxyConfig
+from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.exceptions import TaskServerError, TaskServerTimeoutError
 from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
-from tests.e2e.conftest import proxy_client, stack
+from tests.e2e.conftest import TIMEOUT_FACTOR, proxy_client, stack
 
 __all__ = ["proxy_client", "stack"]
 
@@ -130,3 +132,16 @@ async def local_task_server(tmp_path: Path) -> AsyncIterator[LocalTaskServer]:
     server = LocalTaskServer(tmp_path / "runs")
     yield server
     await server.aclose()
+
+
+@pytest.fixture
+async def own_stack(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[RunningProxy]:
+    """A proxy and an hf worker of the test's own, for tests that move the served weights
+    version (the shared ``stack`` must stay at version 0)."""
+    running = await start_proxy(
+        ProxyConfig(port=0, max_tokens=24, cache_dir=tmp_path / "own-proxy-cache")
+    )
+    start_hf_worker(running, tiny_model_dir, worker_id="own-hf")
+    await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+    yield running
+    await running.stop()

@@ -19,7 +19,7 @@ from sdk.taskserver.inprocess import InProcessTaskServer
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.sdk.conftest import AGENTS, LocalTaskServer
 from tests.sdk.faults import Fault, FaultyFront, route_of
-from tests.sdk.inprocess_agents import one_call, one_call_server
+from tests.sdk.inprocess_agents import VersionBumpAgent, one_call, one_call_server
 from worker_client.backends.hf import HFEngine
 
 AGENT = str(AGENTS / "chat_agent.py")
@@ -284,3 +284,33 @@ async def test_the_loop_waits_before_a_retry(
     result = await loop.run(harbor_task)
     first, second = result.attempts
     assert second.started_at - (first.started_at + first.seconds) >= 0.2
+
+
+async def test_tokens_older_than_the_staleness_limit_are_masked(
+    own_stack: RunningProxy, harbor_task: Path, tiny_model_dir: Path
+) -> None:
+    """The weights move from version 0 to 2 between the agent's two calls: by default
+    (at most 1 version old) the first call's tokens are masked and counted stale, the
+    second's train; without a limit both train."""
+    async with ProxyClient(own_stack.url) as proxy:
+        agent = VersionBumpAgent(own_stack.url, None, 2, str(tiny_model_dir))
+        config = _fast_retries(agent="bump", max_attempts=1)
+        result = await RemoteAgentLoop(proxy, InProcessTaskServer(agent), config).run(harbor_task)
+        assert result.current_version == 2
+        (sample,) = result.samples
+        old, new = sample.turns
+        first, second = agent.calls[result.trial_id]
+        assert sample.response_mask[old["response_start"] : old["response_end"]] == [0] * first
+        assert sample.response_mask[new["response_start"] : new["response_end"]] == [1] * second
+        assert sample.stale_tokens == first
+        assert (sample.min_version, sample.max_version) == (2, 2)
+
+        agent.to_version = 4
+        unlimited = _fast_retries(agent="bump", max_attempts=1, max_staleness=None)
+        loop = RemoteAgentLoop(proxy, InProcessTaskServer(agent), unlimited)
+        result = await loop.run(harbor_task)
+        assert result.current_version is None
+        (sample,) = result.samples
+        assert sample.stale_tokens == 0
+        assert sample.sampled_tokens == sum(agent.calls[result.trial_id])
+        assert (sample.min_version, sample.max_version) == (2, 4)

@@ -384,9 +384,7 @@ def test_every_kept_sampled_token_is_trained_exactly_once(
     trained: Counter[int] = Counter()
     trainable: set[int] = set()
     for sample in samples:
-        for i, (token, bit) in enumerate(
-            zip(sample.response_ids, sample.response_mask, strict=True)
-        ):
+        for token, bit in zip(sample.response_ids, sample.response_mask, strict=True):
             trained[token] += bit
         for turn in sample.turns:
             start, end = turn["response_start"], turn["response_end"]
