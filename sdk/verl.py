@@ -27,13 +27,27 @@ settings as keys next to ``name`` and ``_target_``; keys missing there are read 
 Settings: ``proxy_url`` (required), ``admin_token``, ``task_server`` (``{"factory":
 "module:callable", ...keyword arguments}``; the callable returns a ``TaskServer``),
 ``agent``, ``model``, ``timeout_seconds``, ``max_attempts``, ``branch_policy``,
-``reward_key``, ``keep_undelivered`` (also train replies the agent never received), ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
+``reward_key``, ``keep_undelivered`` (also train replies the agent never received),
+``max_staleness`` (default 1; null: no limit) and ``stale`` (``mask`` or ``drop``),
+``retry_backoff_seconds``, ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
 the task directory, default ``task_path``), ``max_tokens_per_call``, ``serve_rollout`` with ``worker_url`` / ``worker_token`` /
 ``served_model`` (the job's own rollout replicas serve the proxy through a worker with the
 ``verl`` backend, started once per process; the policy version of each turn is then verl's
 ``global_steps``), ``on_failure``
 (``raise``, or ``empty``: a fully masked output with reward 0 and
 ``extra_fields["remote_agent_failed"] = True``).
+
+Staleness: a sampled token more than ``max_staleness`` versions older than the current
+policy version is masked (or, with ``stale: drop``, the sample trains nothing), see
+``sdk.samples``. verl does not tell an agent loop its step, so the current version is the
+one the proxy's workers serve when the episode is collected (``GET /weights``: what the
+trainer last pushed or stamped), and never older than the newest version among the
+episode's own tokens (with ``serve_rollout``, verl's ``global_steps`` of its last reply).
+
+Failures: a task whose every attempt fails (the agent, the task server, or the network
+on the way: a dropped connection, a timeout, an HTML error page) raises
+``RemoteAgentLoopError`` (``on_failure: raise``) or gives the empty output
+(``on_failure: empty``); no other exception leaves ``run``.
 
 verl builds a new loop object per sample, so the proxy client, the task server and the
 core loop are built once per process (and event loop) and shared by every instance.
@@ -63,7 +77,13 @@ from sdk.agent_loop import AgentLoopConfig, RolloutResult
 from sdk.agent_loop import RemoteAgentLoop as AgentLoopCore
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError
-from sdk.samples import BranchPolicy, OverlongPrompt, Sample
+from sdk.samples import (
+    DEFAULT_MAX_STALENESS,
+    BranchPolicy,
+    OverlongPrompt,
+    Sample,
+    StaleTokens,
+)
 from sdk.taskserver.base import TaskServer
 
 AGENT_NAME = "remote_agent"
@@ -98,6 +118,9 @@ class RemoteAgentSettings:
     worker_token: str = ""
     served_model: str | None = None
     keep_undelivered: bool = False
+    max_staleness: int | None = DEFAULT_MAX_STALENESS
+    stale: str = "mask"
+    retry_backoff_seconds: float = 0.5
 
     @classmethod
     def from_sources(cls, kwargs: Mapping[str, Any], section: Any) -> RemoteAgentSettings:
@@ -118,6 +141,7 @@ class RemoteAgentSettings:
             raise ValueError(
                 f"{AGENT_NAME}: verl takes one trajectory per sample; use longest or last"
             )
+        StaleTokens(settings.stale)  # a ValueError names the bad value
         if settings.on_failure not in {"raise", "empty"}:
             raise ValueError(f"{AGENT_NAME}: on_failure must be 'raise' or 'empty'")
         if settings.serve_rollout and not settings.worker_url:
@@ -207,6 +231,8 @@ def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
         "max_global_steps": sample.max_version,
         "prompt_truncated": sample.prompt_truncated,
         "response_truncated": sample.response_truncated,
+        "stale_tokens": sample.stale_tokens,
+        "current_version": result.current_version,
     }
     return AgentLoopOutput(
         prompt_ids=sample.prompt_ids,
@@ -318,6 +344,9 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
                 ),
                 agent_settings=dict(settings.agent_settings),
                 keep_undelivered=settings.keep_undelivered,
+                max_staleness=settings.max_staleness,
+                stale=StaleTokens(settings.stale),
+                retry_backoff_seconds=settings.retry_backoff_seconds,
             ),
         )
         metadata = {"index": _plain(kwargs.get("index")), "data_source": kwargs.get("data_source")}

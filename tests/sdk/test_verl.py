@@ -31,6 +31,8 @@ from sdk.taskserver.server import TaskServerConfig, start_task_server
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.ray_cluster import ray_cluster, start_tiny_group
 from tests.sdk.conftest import AGENTS
+from tests.sdk.faults import Fault, FaultyFront, route_of
+from tests.sdk.inprocess_agents import CALL_TOKENS
 from tests.sdk.taskserver.conftest import write_task
 from worker_client.backends.hf import HFEngine
 from worker_client.ray_actors import WorkerActorGroup
@@ -216,3 +218,79 @@ def test_settings_are_checked(tmp_path: Path) -> None:
     assert settings.keep_undelivered is False
     kept = sdk.verl.RemoteAgentSettings.from_sources({**base, "keep_undelivered": True}, None)
     assert kept.keep_undelivered is True
+
+
+def _entry(proxy_url: str, task_server: dict[str, Any], **settings: Any) -> Any:
+    return OmegaConf.create(
+        {
+            "name": "remote_agent",
+            "_target_": "sdk.verl.RemoteAgentLoop",
+            "proxy_url": proxy_url,
+            "agent": "in-process",
+            "task_server": task_server,
+            **settings,
+        }
+    )
+
+
+async def test_tokens_older_than_the_staleness_limit_are_masked_in_verls_output(
+    own_stack: RunningProxy, harbor_task: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The weights move from version 0 to 2 between the agent's two calls: the output
+    verl trains on masks the first call's tokens (two versions old) and trains the
+    second's, and says how many were stale against which version."""
+    entry = _entry(
+        own_stack.url,
+        {
+            "factory": "tests.sdk.inprocess_agents:version_bump_server",
+            "proxy_url": own_stack.url,
+            "to_version": 2,
+            "model_dir": str(tiny_model_dir),
+        },
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    loop = _instantiate(entry, _trainer_config(tmp_path), tokenizer)
+    try:
+        output = await loop.run({"temperature": 1.0}, extra_info={"task_path": str(harbor_task)})
+    finally:
+        await sdk.verl.close_shared()
+    first, second = CALL_TOKENS[output.extra_fields["trial_id"]]
+    assert output.extra_fields["current_version"] == 2
+    assert output.extra_fields["stale_tokens"] == first
+    assert output.extra_fields["policy_versions"] == [0, 2]
+    assert output.response_mask[:first] == [0] * first
+    assert sum(output.response_mask) == second
+    assert output.response_mask[-second:] == [1] * second
+    assert (output.extra_fields["min_global_steps"], output.extra_fields["max_global_steps"]) == (
+        2,
+        2,
+    )
+
+
+async def test_a_network_fault_on_every_attempt_gives_the_empty_output(
+    stack: RunningProxy, harbor_task: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With ``on_failure: empty``, a proxy whose connection drops at every attempt ends in
+    the documented failure path (a masked output marked failed), after exactly
+    ``max_attempts`` trials, never in aiohttp's exception."""
+    front = FaultyFront(stack.url, Fault.RESET, route_of("POST", "/sessions/x/complete"), 100)
+    await front.start()
+    entry = _entry(
+        front.url,
+        {"factory": "tests.sdk.inprocess_agents:one_call_server"},
+        on_failure="empty",
+        max_attempts=3,
+        retry_backoff_seconds=0.01,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    loop = _instantiate(entry, _trainer_config(tmp_path), tokenizer)
+    try:
+        output = await loop.run({"temperature": 1.0}, extra_info={"task_path": str(harbor_task)})
+    finally:
+        await sdk.verl.close_shared()
+        await front.stop()
+    assert output.extra_fields["remote_agent_failed"] is True
+    assert "all 3 attempts failed" in output.extra_fields["error"]
+    assert "ProxyConnectionError" in output.extra_fields["error"]
+    assert sum(output.response_mask) == 0
+    assert front.seen[route_of("POST", "/sessions")] == 3
