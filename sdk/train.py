@@ -193,7 +193,9 @@ class TrainReport:
     steps: list[StepFigures]
     seconds: float  # the training part: trainer.train() from the first rollout to the end
     settings: TrainSettings
-    batches: list[RolloutBatch] = field(default_factory=list)  # the samples of every step
+    # The last step's batch (the rollout keeps one: a long run stays flat in memory); every
+    # step's figures are in ``steps``.
+    batches: list[RolloutBatch] = field(default_factory=list)
 
     @property
     def max_gap(self) -> float:
@@ -328,7 +330,7 @@ def train(
         trainer.train()
     finally:
         loop.run(proxy.aclose())
-    report = TrainReport(figures, time.monotonic() - started, settings, rollout.history)
+    report = TrainReport(figures, time.monotonic() - started, settings, list(rollout.history))
     (out_dir / "train.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     plot(report, out_dir / "train.png")
     return report

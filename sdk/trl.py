@@ -39,6 +39,29 @@ idles while the trainer steps, so the two do not compete for the CPU.
 TRL's own weight sync (``VLLMClient``) needs NCCL and CUDA; this one needs only storage the
 workers can read. With ``use_vllm=False`` TRL takes the ratio's old logprobs from its own
 forward pass; the recorded ones serve ``off_policy_mask_threshold`` and the gap check.
+
+Staleness: every episode's samples are built against the version this rollout last made
+the workers serve (the step), so a token more than the agent loop's ``max_staleness``
+(default 1) versions older is masked out of ``env_mask`` (see ``sdk.samples``).
+
+Several processes (``accelerate launch``): TRL calls the rollout in every process with its
+own share of the prompts, so each process runs its own episodes (its own
+``BackgroundLoop`` and proxy client). The weights are pushed once: every process takes
+part in ``accelerator.get_state_dict`` (which gathers the full weights under ZeRO-3 and
+FSDP), the main process alone saves them and tells the proxy, and every process waits for
+it (``accelerator.wait_for_everyone``) before sampling; a process other than the main one
+then checks with the proxy that the version is served. Every process decides from the
+same facts (the step, and the version the proxy served before anyone pushed), so they all
+take the same path.
+
+Not with TRL's own tools: given ``tools=`` (or ``environment_factory``), GRPOTrainer runs
+its own tool loop over what the rollout returns (parsing tool calls out of the completion,
+calling the tools, generating again) and ignores ``env_mask``, so tool results would be
+trained as the policy's own tokens. The agent does its tool calls through the proxy
+instead; the rollout refuses a trainer with tools.
+
+Memory: ``history`` keeps the last ``keep_batches`` batches (default 1), for inspection and
+``on_batch``; a caller that needs every step's figures records them in ``on_batch``.
 """
 
 from __future__ import annotations
@@ -48,6 +71,7 @@ import logging
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -246,7 +270,9 @@ class RelayRollout:
     on_batch: Callable[[RolloutBatch], None] | None = None
     # The version the workers serve; None until the proxy has been asked (first call).
     served_version: int | None = None
-    history: list[RolloutBatch] = field(default_factory=list)
+    keep_batches: int = 1
+    # The last ``keep_batches`` batches, newest last.
+    history: deque[RolloutBatch] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if self.agent_loop.config.branch_policy is BranchPolicy.ALL:
@@ -257,6 +283,9 @@ class RelayRollout:
             raise ValueError("max_concurrent must be at least 1")
         if self.keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1")
+        if self.keep_batches < 0:
+            raise ValueError("keep_batches must be at least 0")
+        self.history = deque(self.history, maxlen=self.keep_batches)
 
     def __repr__(self) -> str:
         return f"<RelayRollout version={self.served_version} batches={len(self.history)}>"
@@ -264,33 +293,60 @@ class RelayRollout:
     # ------------------------------------------------------------------ weights
 
     def sync_weights(self, trainer: Any) -> WeightPush | None:
-        """Push the trainer's weights when its step moved since the served version."""
+        """Push the trainer's weights when its step moved since the served version (in
+        every process together: see the module docstring)."""
+        accelerator = trainer.accelerator
         step = int(trainer.state.global_step)
         if self.served_version is None:
             # A proxy that already serves a later version (another run's) refuses this
             # run's versions rather than sampling with weights the trainer never had.
-            current = self.loop.run(self.proxy.weights())
-            self.served_version = int(current["version"])
+            self.served_version = self._proxy_version()
+            # Nobody pushes before every process has read the version: they all decide
+            # the same below.
+            accelerator.wait_for_everyone()
         if not needs_push(self.served_version, step):
             return None
         started = time.monotonic()
-        path = self._save(trainer, step)
-        answer = self.loop.run(self.proxy.update_weights(step, path=str(path)))
-        served = int(answer["version"])
-        if served != step:
-            raise RuntimeError(f"the proxy answered version {served} to an update to {step}")
+        # A collective under ZeRO-3 and FSDP: every process takes part.
+        state_dict = accelerator.get_state_dict(trainer.model)
+        push: WeightPush | None = None
+        try:
+            if accelerator.is_main_process:
+                path = self._save(trainer, step, state_dict)
+                answer = self.loop.run(self.proxy.update_weights(step, path=str(path)))
+                served = int(answer["version"])
+                if served != step:
+                    raise RuntimeError(
+                        f"the proxy answered version {served} to an update to {step}"
+                    )
+                self._prune(keep=path)
+                push = WeightPush(step, path, time.monotonic() - started, answer)
+                log.info("weights version %d (%s) served after %.2fs", step, path, push.seconds)
+        finally:
+            # Released even when the main process failed: the others then find the
+            # version not served and fail too, rather than wait for ever.
+            accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            served = self._proxy_version()
+            if served != step:
+                raise RuntimeError(
+                    f"the main process did not push step {step}: the proxy serves {served}"
+                )
         self.served_version = step
-        self._prune(keep=path)
-        push = WeightPush(step, path, time.monotonic() - started, answer)
-        log.info("weights version %d (%s) served after %.2fs", step, path, push.seconds)
         return push
 
-    def _save(self, trainer: Any, step: int) -> Path:
+    def _proxy_version(self) -> int:
+        return int(self.loop.run(self.proxy.weights())["version"])
+
+    def _save(self, trainer: Any, step: int, state_dict: Mapping[str, Any] | None) -> Path:
         from worker_client.tiny_model import save_atomically
 
         model = trainer.accelerator.unwrap_model(trainer.model)
         return save_atomically(
-            self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{step}", model, trainer.processing_class
+            self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{step}",
+            model,
+            trainer.processing_class,
+            state_dict=state_dict,
         )
 
     def _prune(self, keep: Path) -> None:
@@ -305,14 +361,14 @@ class RelayRollout:
 
     # ------------------------------------------------------------------ rollout
 
-    async def _episodes(self, prompts: Sequence[Any]) -> list[RolloutResult]:
+    async def _episodes(self, prompts: Sequence[Any], version: int) -> list[RolloutResult]:
         """One episode per prompt; a task that fails every attempt fails the batch, and
         the episodes still running are cancelled (their agents with them)."""
         slots = asyncio.Semaphore(self.max_concurrent)
 
         async def one(prompt: Any) -> RolloutResult:
             async with slots:
-                return await self.agent_loop.run(self.task_of(prompt))
+                return await self.agent_loop.run(self.task_of(prompt), current_version=version)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -322,11 +378,12 @@ class RelayRollout:
         return [task.result() for task in tasks]
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        refuse_trl_tools(trainer)
         push = self.sync_weights(trainer)
-        started = time.monotonic()
-        results = self.loop.run(self._episodes(prompts))
-        samples = [result.samples[0] for result in results]
         assert self.served_version is not None  # sync_weights asked the proxy
+        started = time.monotonic()
+        results = self.loop.run(self._episodes(prompts, self.served_version))
+        samples = [result.samples[0] for result in results]
         batch = RolloutBatch(
             step=self.served_version,
             results=results,
@@ -342,6 +399,20 @@ class RelayRollout:
         if self.on_batch is not None:
             self.on_batch(batch)
         return rollout_output(samples)
+
+
+def refuse_trl_tools(trainer: Any) -> None:
+    """GRPOTrainer given ``tools=`` or ``environment_factory`` runs its own tool loop over
+    the rollout's completions and ignores ``env_mask`` (TRL 1.16, ``_generate``)."""
+    tools = getattr(trainer, "tools", None)
+    environments = getattr(trainer, "environment_factories", None)
+    if tools or environments:
+        raise ValueError(
+            "RelayRollout cannot train with GRPOTrainer's own tools (tools= or "
+            "environment_factory): TRL would run its tool loop over the agent's episodes "
+            "and ignore env_mask, training tool results as the policy's tokens. Give the "
+            "tools to the agent, which calls them through the proxy, and none to the trainer."
+        )
 
 
 def rollout_output(samples: Sequence[Sample]) -> dict[str, list[Any]]:

@@ -5,8 +5,11 @@ a real model, so that the step can be moved by hand)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,20 +19,23 @@ from openai import AsyncOpenAI
 
 from proxy.config import ProxyConfig
 from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
-from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop
+from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop, RolloutResult
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError
-from sdk.samples import BranchPolicy
+from sdk.samples import BranchPolicy, Sample
 from sdk.taskserver.base import RunSpec
 from sdk.taskserver.inprocess import AgentFn, InProcessTaskServer
 from sdk.trl import (
     BackgroundLoop,
     RelayRollout,
+    RolloutBatch,
     needs_push,
     on_policy_gap,
     relay_reward,
+    rollout_output,
 )
 from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.sdk.inprocess_agents import VersionBumpAgent, chat_calls, one_call
 
 ADMIN = "admin-secret"
 KEYS = {"prompt_ids", "completion_ids", "logprobs", "env_mask"}
@@ -121,9 +127,11 @@ def _rollout(stack: Stack, agent: AgentFn, checkpoints: Path, **kwargs: Any) -> 
     return RelayRollout(stack.loop, stack.proxy, loop, checkpoints, **kwargs)
 
 
-def _trainer(model_dir: Path) -> Any:
-    """What the rollout reads of a GRPOTrainer: its step, model, tokenizer, accelerator."""
+def _trainer(model_dir: Path, accelerator: Any = None) -> Any:
+    """What the rollout reads of a GRPOTrainer: its step, model, tokenizer and accelerate's
+    ``Accelerator`` (a real one, single process on CPU, unless given)."""
     import torch
+    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -131,7 +139,7 @@ def _trainer(model_dir: Path) -> Any:
         state=SimpleNamespace(global_step=0),
         model=model,
         processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        accelerator=accelerator or Accelerator(cpu=True),
     )
 
 
@@ -275,7 +283,7 @@ def test_a_failed_episode_fails_the_batch_and_stops_the_others(
     with pytest.raises(RemoteAgentLoopError, match="the sandbox broke"):
         rollout(["slow-1", "bad", "slow-2"], _trainer(tiny_model_dir))
     assert sorted(cancelled) == ["slow-1", "slow-2"]
-    assert rollout.history == []
+    assert len(rollout.history) == 0
 
 
 def test_a_proxy_ahead_of_the_trainer_is_refused_not_sampled(
@@ -288,8 +296,259 @@ def test_a_proxy_ahead_of_the_trainer_is_refused_not_sampled(
     trainer = _trainer(tiny_model_dir)
     with pytest.raises(ValueError, match="only increase"):
         rollout(["task-a"], trainer)
-    assert rollout.history == []
+    assert len(rollout.history) == 0
     trainer.state.global_step = 2
     rollout(["task-a", "task-a"], trainer)
     assert rollout.history[-1].push is None
     assert rollout.history[-1].versions == [2]
+
+
+def _live(cls: type) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is cls)
+
+
+def test_many_steps_keep_only_the_last_batch(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """After 40 steps the rollout holds one batch (its results and samples), not 40: a
+    long run stays flat in memory."""
+    rollout = _rollout(relay, one_call, tmp_path / "checkpoints")
+    trainer = _trainer(tiny_model_dir)
+    before = (_live(RolloutBatch), _live(RolloutResult), _live(Sample))
+    for _ in range(40):
+        rollout(["task-a", "task-b"], trainer)
+    assert len(rollout.history) == 1
+    assert _live(RolloutBatch) - before[0] == 1
+    assert _live(RolloutResult) - before[1] == 2
+    assert _live(Sample) - before[2] == 2
+
+
+def test_tokens_older_than_the_staleness_limit_leave_env_mask(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An episode whose weights moved from the trainer's version 2 to 4 between its two
+    calls: the first call's tokens (two versions old) get env_mask 0 and version -1."""
+    relay.loop.run(relay.proxy.update_weights(2, path=str(tiny_model_dir)))
+    agent = VersionBumpAgent(relay.running.url, ADMIN, 4, str(tiny_model_dir))
+    rollout = _rollout(relay, agent, tmp_path / "checkpoints")
+    trainer = _trainer(tiny_model_dir)
+    trainer.state.global_step = 2
+    out = rollout(["task-a"], trainer)
+    first, second = agent.calls[out["relay_trial_id"][0]]
+    mask = out["env_mask"][0]
+    assert sum(mask) == second
+    assert mask[:first] == [0] * first
+    assert out["relay_versions"][0] == [4 if m else -1 for m in mask]
+    (result,) = rollout.history[-1].results
+    assert result.current_version == 4
+    assert result.samples[0].stale_tokens == first
+
+
+class _Process:
+    """accelerate's side of one of several processes, as TRL's trainer holds it: the
+    processes meet at ``wait_for_everyone`` (a barrier here, across threads, where
+    accelerate uses torch.distributed) and all take part in ``get_state_dict``."""
+
+    def __init__(self, index: int, barrier: threading.Barrier) -> None:
+        self.process_index = index
+        self.is_main_process = index == 0
+        self.barrier = barrier
+        self.gathered = 0
+
+    def wait_for_everyone(self) -> None:
+        self.barrier.wait()
+
+    def get_state_dict(self, model: Any) -> dict[str, Any]:
+        self.gathered += 1
+        return dict(model.state_dict())
+
+    def unwrap_model(self, model: Any) -> Any:
+        return model
+
+
+def _two_processes(
+    relay: Stack, tiny_model_dir: Path, checkpoints: Path, agent: AgentFn
+) -> tuple[list[RelayRollout], list[Any]]:
+    barrier = threading.Barrier(2, timeout=120 * TIMEOUT_FACTOR)
+    trainers = [_trainer(tiny_model_dir, _Process(i, barrier)) for i in range(2)]
+    return [_rollout(relay, agent, checkpoints) for _ in trainers], trainers
+
+
+def test_several_processes_push_once_and_sample_after_the_push(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two processes at step 1: both gather the weights, only the main one saves and
+    pushes them, the other waits for the push and samples with version 1 too."""
+    rollouts, trainers = _two_processes(relay, tiny_model_dir, tmp_path / "ckpt", one_call)
+    pushed: list[int] = []
+    real_update = relay.proxy.update_weights
+
+    async def counted(version: int, path: str | None = None, mode: str = "wait") -> Any:
+        pushed.append(version)
+        return await real_update(version, path=path, mode=mode)
+
+    relay.proxy.update_weights = counted  # type: ignore[method-assign]
+    for trainer in trainers:
+        _perturb(trainer.model, seed=1)
+        trainer.state.global_step = 1
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda i: rollouts[i](["task-a"], trainers[i]), range(2)))
+    assert pushed == [1]
+    assert [t.accelerator.gathered for t in trainers] == [1, 1]
+    assert rollouts[0].history[-1].push is not None
+    assert rollouts[1].history[-1].push is None
+    assert [r.served_version for r in rollouts] == [1, 1]
+    for out in outs:
+        assert out["relay_versions"][0] == [1 if m else -1 for m in out["env_mask"][0]]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-1"]
+
+
+def test_a_main_process_that_fails_to_push_fails_the_others_too(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The main process cannot write the checkpoint: it raises, and the other process,
+    released from the barrier, finds the step not served and raises instead of sampling
+    with the old weights or waiting for ever."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    rollouts, trainers = _two_processes(relay, tiny_model_dir, blocked, one_call)
+    for trainer in trainers:
+        trainer.state.global_step = 1
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(rollouts[i], ["task-a"], trainers[i]) for i in range(2)]
+        with pytest.raises(OSError, match="not-a-directory"):
+            futures[0].result()
+        with pytest.raises(RuntimeError, match="did not push step 1"):
+            futures[1].result()
+    assert relay.loop.run(relay.proxy.weights())["version"] == 0
+
+
+def test_a_trainer_with_trls_own_tools_is_refused(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A GRPOTrainer with tools would run its own tool loop and ignore env_mask: the
+    rollout refuses it before running any episode."""
+    agent = TwoCallAgent()
+    rollout = _rollout(relay, agent, tmp_path / "checkpoints")
+
+    def read_file(path: str) -> str:
+        """Read a file.
+
+        Args:
+            path: the file.
+        """
+        return path
+
+    trainer = _grpo_trainer(tiny_model_dir, tmp_path, rollout)
+    # What GRPOTrainer(tools=[read_file]) sets; TRL 1.16 refuses tools= outright for the
+    # tiny model's chat template (it knows no response schema for it).
+    trainer.tools = [read_file]
+    with pytest.raises(ValueError, match="ignore env_mask"):
+        trainer._generate_and_score_completions([{"prompt": "task-a"}, {"prompt": "task-a"}])
+    assert agent.episodes == {}
+
+
+def _grpo_trainer(model_dir: Path, out: Path, rollout: Any, **kwargs: Any) -> Any:
+    """TRL's GRPOTrainer on CPU in float32, two episodes per group."""
+    import os
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+        reward_funcs=relay_reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["task-a", "task-a"]}),
+        processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
+        rollout_func=rollout,
+        **kwargs,
+    )
+
+
+@dataclass(slots=True)
+class RankedAgent:
+    """Two chat calls (context between them: env_mask 0); the first episode to finish
+    gets reward 1, the next 0, so a group of two has advantages of both signs."""
+
+    finished: int = 0
+
+    async def __call__(self, spec: RunSpec) -> Mapping[str, float]:
+        await chat_calls(spec, 2)
+        self.finished += 1
+        return {"reward": 1.0 if self.finished == 1 else 0.0}
+
+
+def _logit_grads(trainer: Any, batch: dict[str, Any]) -> Any:
+    """TRL's own loss on ``batch``, backpropagated: per completion token, the loss's
+    gradient at the final hidden state that scored it (TRL 1.16 fuses the LM head into
+    the logprob computation, so the hidden state feeds that token's logprob alone)."""
+    model = trainer.model
+    seen: list[Any] = []
+
+    def keep(_module: Any, _args: Any, output: Any) -> None:
+        output.retain_grad()
+        seen.append(output)
+
+    handle = model.model.norm.register_forward_hook(keep)
+    try:
+        model.zero_grad()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+    finally:
+        handle.remove()
+    (hidden,) = seen
+    width = batch["completion_ids"].size(1)
+    grads = hidden.grad[:, -width - 1 : -1, :]
+    return grads.norm(dim=-1), grads
+
+
+def test_the_mask_and_the_reward_reach_trls_loss(
+    relay: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Through TRL's real GRPO batch and loss: a token with env_mask 0 gets no gradient and
+    every token with env_mask 1 gets some; swapping the two episodes' rewards turns every
+    gradient around (the advantages change sign)."""
+    import torch
+
+    rollout = _rollout(relay, RankedAgent(), tmp_path / "checkpoints")
+    trainer = _grpo_trainer(tiny_model_dir, tmp_path, rollout)
+    prompts = [{"prompt": "task-a"}, {"prompt": "task-a"}]
+    batch = trainer._generate_and_score_completions(prompts)
+    samples = rollout.history[-1].samples
+    assert sorted(s.reward for s in samples) == [0.0, 1.0]
+    env_mask = torch.zeros_like(batch["completion_mask"])
+    for row, sample in enumerate(samples):
+        env_mask[row, : len(sample.response_mask)] = torch.tensor(sample.response_mask)
+    assert "tool_mask" in batch  # TRL took env_mask
+    assert torch.equal(batch["tool_mask"] * batch["completion_mask"], env_mask)
+    assert 0 in env_mask[:, : min(len(s.response_mask) for s in samples)]
+    norms, grads = _logit_grads(trainer, batch)
+    assert torch.all(norms[env_mask == 0] == 0)
+    assert torch.all(norms[env_mask == 1] > 0)
+
+    swapped = [replace(s, reward=1.0 - (s.reward or 0.0)) for s in samples]
+    trainer.rollout_func = lambda prompts, trainer: rollout_output(swapped)
+    batch = trainer._generate_and_score_completions(prompts)
+    assert torch.equal(batch["completion_ids"][:, : grads.size(1)], batch["completion_ids"])
+    _, flipped = _logit_grads(trainer, batch)
+    assert torch.allclose(flipped, -grads, atol=1e-6)
+    assert not torch.allclose(flipped, grads, atol=1e-6)
