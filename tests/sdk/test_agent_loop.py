@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from openai import AsyncOpenAI
 
 from rollout_relay.embedded import RunningProxy
 from sdk.agent_loop import AgentLoopConfig, AttemptState, RemoteAgentLoop, retry_delay
@@ -15,11 +17,12 @@ from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError, RemoteAgentLoopError, SessionNotFoundError
 from sdk.fidelity import check_fidelity
 from sdk.samples import BranchPolicy
+from sdk.taskserver.base import RunSpec
 from sdk.taskserver.inprocess import InProcessTaskServer
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.sdk.conftest import AGENTS, LocalTaskServer
 from tests.sdk.faults import Fault, FaultyFront, route_of
-from tests.sdk.inprocess_agents import VersionBumpAgent, one_call, one_call_server
+from tests.sdk.inprocess_agents import VersionBumpAgent, one_call, one_call_server, trial_of
 from worker_client.backends.hf import HFEngine
 
 AGENT = str(AGENTS / "chat_agent.py")
@@ -314,3 +317,57 @@ async def test_tokens_older_than_the_staleness_limit_are_masked(
         assert sample.stale_tokens == 0
         assert sample.sampled_tokens == sum(agent.calls[result.trial_id])
         assert (sample.min_version, sample.max_version) == (2, 4)
+
+
+@dataclass(slots=True)
+class ForkingAgent:
+    """A forked trial: a first call, a second that continues it, then a third that
+    continues the first again with another question (a new branch after turn 0) and
+    samples one token, so the dropped branch has at least as many sampled tokens."""
+
+    calls: dict[str, list[int]] = field(default_factory=dict)
+
+    async def __call__(self, spec: RunSpec) -> Mapping[str, float]:
+        client = AsyncOpenAI(base_url=spec.base_url, api_key=spec.api_key, max_retries=0)
+        tokens: list[int] = []
+        try:
+            start: list[dict[str, Any]] = [{"role": "user", "content": "Say something."}]
+            first = await client.chat.completions.create(
+                model="tiny",
+                messages=start,
+                max_tokens=8,  # type: ignore[arg-type]
+            )
+            reply = {"role": "assistant", "content": first.choices[0].message.content}
+            for question, limit in (("Go on.", 16), ("Something else.", 1)):
+                messages = [*start, reply, {"role": "user", "content": question}]
+                answer = await client.chat.completions.create(
+                    model="tiny",
+                    messages=messages,
+                    max_tokens=limit,  # type: ignore[arg-type]
+                )
+                assert answer.usage is not None
+                tokens.append(answer.usage.completion_tokens)
+            assert first.usage is not None
+            self.calls[trial_of(spec)] = [first.usage.completion_tokens, *tokens]
+        finally:
+            await client.close()
+        return {"reward": 1.0}
+
+
+async def test_branch_policy_last_trains_the_turns_it_shares_with_the_dropped_branch(
+    proxy_client: ProxyClient, harbor_task: Path
+) -> None:
+    """A forked trial through the real proxy and model: ``last`` keeps the branch of the
+    newest turn, and the first turn it shares with the dropped (longer) branch is trained
+    in it: every sampled token of the kept trajectory is trained."""
+    agent = ForkingAgent()
+    config = _fast_retries(agent="fork", max_attempts=1, branch_policy=BranchPolicy.LAST)
+    result = await RemoteAgentLoop(proxy_client, InProcessTaskServer(agent), config).run(
+        harbor_task
+    )
+    first, _, forked = agent.calls[result.trial_id]
+    (sample,) = result.samples
+    assert [t["turn"] for t in sample.turns] == [0, 2]
+    shared = sample.turns[0]
+    assert sample.response_mask[shared["response_start"] : shared["response_end"]] == [1] * first
+    assert sample.sampled_tokens == first + forked
