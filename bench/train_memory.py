@@ -4,8 +4,8 @@ Runs ``rollout-relay train``'s loop (the proxy, an ``hf`` worker on the tiny mod
 TRL's GRPOTrainer, all in this process, as ``make train`` runs them) for ``--steps``
 steps and records the process's resident memory (RSS) after every step's rollout. It
 reports the slope of RSS over the steps after the first ``--warmup`` (a least-squares
-line: what each step adds for good) and the growth from the end of the warm-up to the
-end. Not part of ``python -m bench``'s default sections: it takes minutes.
+line: what each step adds for good) and the growth from the first ten steps after the
+warm-up to the last ten (medians: one step's allocator spike is not growth). Not part of ``python -m bench``'s default sections: it takes minutes.
 
 python -m bench.train_memory --steps 150 --json /tmp/rss.json
 """
@@ -29,7 +29,7 @@ class MemoryFigures:
     warmup: int
     rss_mb: list[float]  # after each step's rollout
     slope_kb_per_step: float  # after the warm-up
-    growth_mb: float  # from the end of the warm-up to the last step
+    growth_mb: float  # median of the last 10 steps minus that of the first 10 after warm-up
     seconds: float
 
 
@@ -44,7 +44,7 @@ def figures(rss_mb: list[float], warmup: int, seconds: float) -> MemoryFigures:
         warmup=warmup,
         rss_mb=[round(x, 2) for x in rss_mb],
         slope_kb_per_step=round(slope * 1024, 2),
-        growth_mb=round(tail[-1] - tail[0], 2),
+        growth_mb=round(statistics.median(tail[-10:]) - statistics.median(tail[:10]), 2),
         seconds=round(seconds, 1),
     )
 
