@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from relay.cluster import owner
 from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient
-from sdk.exceptions import ProxyConnectionError, ProxyRequestError
+from sdk.exceptions import ProxyConnectionError, ProxyRequestError, SessionNotFoundError
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.sdk.faults import Fault, FaultyFront
 
@@ -45,3 +46,17 @@ async def test_a_network_fault_is_an_sdk_error_and_the_next_call_works(
         trial = await client.create_session()
         await client.delete(trial.trial_id)
     assert front.seen[CREATE] == 2
+
+
+async def test_a_trial_whose_owner_cannot_be_reached_goes_through_the_given_replica(
+    stack: RunningProxy,
+) -> None:
+    """The owner's own URL refuses connections (a port-forward from outside the cluster):
+    the call goes to the replica the client was given, which answers it."""
+    unreachable = "http://127.0.0.1:1"
+    peers = (unreachable, stack.url)
+    trial_id = next(f"t{i}" for i in range(1000) if owner(f"t{i}", peers) == unreachable)
+    async with ProxyClient(stack.url) as client:
+        client._peers = peers  # what GET /cluster would have said
+        with pytest.raises(SessionNotFoundError):
+            await client.get_session(trial_id)
