@@ -65,7 +65,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     models = ModelRegistry(config.cache_dir, tool_parser=config.tool_parser)
     app[CONFIG] = config
     app[POOL] = pool
-    app[WEIGHTS] = WeightSync(pool)
+    app[WEIGHTS] = WeightSync(pool, phase_seconds=config.weights_phase_seconds)
     app[MODELS] = models
     app[SESSIONS] = SessionRegistry()
     coalescer = None
@@ -118,3 +118,6 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def _disconnect_workers(app: web.Application) -> None:
     # Without this, shutting down waits for each worker socket's heartbeat to time out.
     await app[POOL].disconnect_all("proxy shutting down")
+    # A running weight update ends too: the workers roll it back as their connections end,
+    # and its task is not left pending behind the proxy.
+    await app[WEIGHTS].close()

@@ -45,6 +45,9 @@ class ProxyConfig:
     # few milliseconds and go out together (proxy.coalesce); OFF writes every step.
     stream_coalesce: CoalesceMode = CoalesceMode.ADAPTIVE
     heartbeat_seconds: float = 10.0
+    # How long one phase of a weight update (pause, load, commit or rollback) may take on
+    # the workers; a whole update takes at most three phases.
+    weights_phase_seconds: float = 600.0
     retry_after_seconds: int = 5
     # Backpressure (0: no bound of that kind): requests running per worker (caps what the
     # worker announced) and overall; requests waiting for a slot overall and per trial.

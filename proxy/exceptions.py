@@ -19,6 +19,7 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     │                                   own its trial (the replicas' lists differ)
     ├── PayloadTooLargeError        413 request body over the limit
     ├── UpstreamError               502 the worker failed the request
+    ├── GatewayTimeoutError         504 a worker did not answer in time
     ├── ServiceUnavailableError     503 no worker became available, queue full, draining
     │   ├── TooManyRequestsError    429 too many requests waiting for this trial, or too
     │   │                               many sessions (Retry-After)
@@ -34,6 +35,10 @@ class ProxyError(Exception):
     status = 500
     error_type = "internal_error"
     code: str | None = None
+    # Whether asking again may succeed, as ``x-should-retry`` (None: not said).
+    should_retry: bool | None = None
+    # More fields of the error object, for errors that say which parts failed.
+    details: dict[str, object] | None = None
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -97,6 +102,11 @@ class PayloadTooLargeError(ProxyError):
 class UpstreamError(ProxyError):
     status = 502
     error_type = "upstream_error"
+
+
+class GatewayTimeoutError(ProxyError):
+    status = 504
+    error_type = "timeout_error"
 
 
 class MisdirectedRequestError(ProxyError):

@@ -138,6 +138,7 @@ class _PoolCollector(Collector):
         )
         updates.add_metric(["committed"], stats.updates_committed)
         updates.add_metric(["rolled_back"], stats.updates_rolled_back)
+        updates.add_metric(["commit_failed"], stats.updates_commit_failed)
         yield updates
         yield CounterMetricFamily(
             "relay_requests_preempted",

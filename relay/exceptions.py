@@ -11,11 +11,13 @@
     ├── PoolOverloadedError        the wait queue (overall or the trial's share) is full
     ├── WorkerFailedError          the worker reported an error for a request
     ├── RequestCancelledError      the request was cancelled before it finished
-    └── WeightsUpdateError         a weight update did not happen; the old weights serve
+    └── WeightsUpdateError         a weight update did not happen everywhere (``workers``:
+        │                              which; ``retryable``: asking again later may succeed)
         ├── UpdateRefusedError     refused before anything changed (version not newer,
         │                              another update running, a worker that cannot update)
-        └── UpdateFailedError      a worker could not load or answer: every worker was
-                                       rolled back
+        └── UpdateFailedError      a worker could not pause, load or answer (every worker
+                                       was rolled back), or could not commit (it was taken
+                                       out of service; the others serve the new version)
 """
 
 
@@ -73,12 +75,19 @@ class RequestCancelledError(RelayError):
 
 
 class WeightsUpdateError(RelayError):
-    """A weight update did not happen: every worker serves the weights it served before."""
+    """A weight update did not happen on every worker. ``workers``: the workers it failed
+    on (empty: it was refused, or no worker answered); ``retryable``: the same update asked
+    again later may succeed (another update was running, a worker was busy with another
+    proxy replica's update); otherwise asking again gets this same answer."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(
+        self, code: str, message: str, *, workers: tuple[str, ...] = (), retryable: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.workers = workers
+        self.retryable = retryable
 
 
 class UpdateRefusedError(WeightsUpdateError):
@@ -86,4 +95,5 @@ class UpdateRefusedError(WeightsUpdateError):
 
 
 class UpdateFailedError(WeightsUpdateError):
-    """A worker could not pause, load or answer in time; the update was rolled back."""
+    """A worker could not pause, load or answer in time (the update was rolled back), or
+    could not commit (``commit_failed``: it is out of service)."""

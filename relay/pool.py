@@ -210,6 +210,7 @@ class PoolStats:
     preempted: int = 0  # aborted by a weight update and continued on the new weights
     updates_committed: int = 0  # weight updates every worker took
     updates_rolled_back: int = 0  # weight updates a worker could not load: none took them
+    updates_commit_failed: int = 0  # weight updates a worker could not commit (out of service)
     out_of_service: int = 0  # workers removed for not serving the current weights
 
 

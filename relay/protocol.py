@@ -281,14 +281,22 @@ class Rollback(msgspec.Struct, frozen=True, tag="rollback"):
     update_id: str
 
 
+# ``UpdateAck.code`` of a pause refused because another update (another proxy replica's)
+# holds the worker: the same update may succeed once that one is done.
+ACK_BUSY = "busy"
+
+
 class UpdateAck(msgspec.Struct, frozen=True, tag="update_ack"):
-    """A worker's answer to one phase (``ok=False`` with the reason in ``message``)."""
+    """A worker's answer to one phase (``ok=False`` with the reason in ``message``, and in
+    ``code`` what kind of refusal it is: ``ACK_BUSY``, or empty). ``code`` came after
+    version 3's first release; a peer that does not know it ignores it."""
 
     update_id: str
     phase: UpdatePhase
     ok: bool = True
     version: int = 0  # the version the worker serves (or will, once committed)
     message: str = ""
+    code: str = ""
 
 
 class Weights(msgspec.Struct, frozen=True, tag="weights"):

@@ -8,8 +8,26 @@ from the path. The update's own state (``UpdateState``) makes "all or nothing" a
 of the state machine, not of timing::
 
     PAUSING --every worker paused--> LOADING --every worker loaded--> COMMITTING --> COMMITTED
-       |                                |
-       +--a worker failed or timed out--+--> ROLLING_BACK --> ROLLED_BACK
+       |                                |                                  |
+       +--a worker failed, timed out,---+--> ROLLING_BACK --> ROLLED_BACK  +--no worker
+          or the update was stopped                                           committed-->
+                                                                              COMMIT_FAILED
+
+The update belongs to the proxy, not to the request that asked for it: it runs as a task
+of its own, which the caller awaits through ``asyncio.shield``, so a trainer that hangs up
+(its timeout, a load balancer closing the connection) cannot stop it between phases. It
+ends committed or rolled back whoever waits for it, and its cleanup (the rollback, workers
+serving again) runs where cancellation cannot skip it. The same update asked again
+(version and path; ``admit``) waits for the running one, or gets the answer of the last
+finished one, so a trainer may retry a dropped request safely. At most
+``3 * phase_seconds`` pass once the update runs (pause, load, then commit or rollback,
+each bounded), after any catching up of joining workers that was running when it came.
+
+An update answers only when every worker it started with serves the new version. A worker
+that cannot commit has unknown weights: it is taken out of service, and the update fails
+with ``commit_failed`` naming it; the others serve the new version, which is the pool's
+only when at least one worker (or none at all, with none failing) committed it. The
+pool's version never moves backwards: one adopted from another replica meanwhile stays.
 
 While it runs the pool is held: new requests wait in its queue, never refused. ``wait``
 lets running requests finish on the old weights first (no reply spans two versions);
@@ -17,9 +35,9 @@ lets running requests finish on the old weights first (no reply spans two versio
 serve (one reply, two versions). A worker that leaves during an update is no longer part
 of it (it rolls back on its side when its connection ends); when it comes back, or when
 any worker joins behind the pool's version, it loads the current weights before it serves
-anything (``WeightSync`` is the pool's ``on_behind``). A worker that cannot commit, or
-cannot be brought up to the current version, is taken out of service: never left serving
-other weights under the new version number.
+anything (``WeightSync`` is the pool's ``on_behind``). A worker that cannot be brought up
+to the current version, or does not answer a rollback, is taken out of service: never
+left serving other weights under the new version number, nor paused.
 """
 
 from __future__ import annotations
@@ -29,15 +47,16 @@ import contextlib
 import enum
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from relay import protocol
 from relay.exceptions import (
     RelayError,
     UpdateFailedError,
     UpdateRefusedError,
+    WeightsUpdateError,
     WorkerFailedError,
 )
 from relay.pool import WorkerHandle, WorkerPool, WorkerState
@@ -52,16 +71,23 @@ class UpdateState(enum.Enum):
     ROLLING_BACK = "rolling_back"
     COMMITTED = "committed"
     ROLLED_BACK = "rolled_back"
+    COMMIT_FAILED = "commit_failed"  # no worker committed: the version did not move
 
 
 _ALLOWED = {
     UpdateState.PAUSING: {UpdateState.LOADING, UpdateState.ROLLING_BACK},
     UpdateState.LOADING: {UpdateState.COMMITTING, UpdateState.ROLLING_BACK},
-    UpdateState.COMMITTING: {UpdateState.COMMITTED},
+    UpdateState.COMMITTING: {UpdateState.COMMITTED, UpdateState.COMMIT_FAILED},
     UpdateState.ROLLING_BACK: {UpdateState.ROLLED_BACK},
     UpdateState.COMMITTED: set(),
     UpdateState.ROLLED_BACK: set(),
+    UpdateState.COMMIT_FAILED: set(),
 }
+
+# What makes two requests the same update: the version and the checkpoint it serves. The
+# pause mode is not part of it (it only says how replies running at the time are treated),
+# so a retry that asks another mode still gets the update's outcome.
+UpdateKey = tuple[int, str | None]
 
 
 @dataclass(slots=True)
@@ -75,28 +101,88 @@ class WeightsUpdate:
     def __repr__(self) -> str:
         return f"<WeightsUpdate {self.update_id} v{self.version} {self.state.value}>"
 
+    @property
+    def key(self) -> UpdateKey:
+        return (self.version, self.path)
+
     def advance(self, state: UpdateState) -> None:
         if state not in _ALLOWED[self.state]:
             raise RelayError(f"update {self.update_id} is {self.state.value}; cannot be {state}")
         self.state = state
 
 
-def check_request(current: int, version: int, updating: WeightsUpdate | None) -> None:
-    """Refuse an update before anything is asked of a worker."""
-    if updating is not None:
+class Admission(enum.Enum):
+    START = "start"  # a new update: run it
+    JOIN = "join"  # the same update runs: wait for its outcome
+    REPLAY = "replay"  # the same update finished last: answer its outcome again
+
+
+def admit(
+    current: int, asked: UpdateKey, running: UpdateKey | None, last: UpdateKey | None
+) -> Admission:
+    """What to do with an update request, before anything is asked of a worker: join or
+    replay the same update (a trainer's retry), or refuse a version that is not newer and
+    a second update while one runs (retryable: it may start once that one is done)."""
+    if running == asked:
+        return Admission.JOIN
+    if last == asked:
+        return Admission.REPLAY
+    if running is not None:
         raise UpdateRefusedError(
             "update_in_progress",
-            f"weights version {updating.version} is being loaded; try again when it is done",
+            f"weights version {running[0]} is being loaded; try again when it is done",
+            retryable=True,
         )
-    if version <= current:
+    if asked[0] <= current:
         raise UpdateRefusedError(
             "version_not_newer",
-            f"version {version} is not newer than the current version {current}",
+            f"version {asked[0]} is not newer than the current version {current}",
         )
+    return Admission.START
+
+
+@dataclass(slots=True, frozen=True)
+class Outcome:
+    """How a finished update ended: the report it answered, or its error."""
+
+    key: UpdateKey
+    report: dict[str, Any] | None
+    error: WeightsUpdateError | None
+
+    def answer(self) -> dict[str, Any]:
+        """The answer again: the same report, or an equal error (a new exception object:
+        one raised twice would carry both tracebacks)."""
+        if self.error is not None:
+            e = self.error
+            raise type(e)(e.code, e.message, workers=e.workers, retryable=e.retryable)
+        assert self.report is not None
+        return self.report
 
 
 # What a phase's answers were: per worker, its ack, or the error that stood in for it.
 Answers = dict[str, protocol.UpdateAck | RelayError]
+
+T = TypeVar("T")
+
+
+async def finish_anyway(step: Awaitable[T]) -> T:
+    """Run ``step`` to its end even if the caller is cancelled meanwhile (the cancellation
+    is raised once it is done): cleanup that must not stop halfway."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() and task.cancelled():
+                raise
+            if not task.done():
+                cancelled = True
+                continue
+            raise
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 class WeightSync:
@@ -106,12 +192,19 @@ class WeightSync:
         self.pool = pool
         self.phase_seconds = phase_seconds
         self.current: WeightsUpdate | None = None
+        self._task: asyncio.Task[dict[str, Any]] | None = None  # the running update
+        self._last: Outcome | None = None  # the last update that finished
         self._lock = asyncio.Lock()  # one update, or one worker's catching up, at a time
         self._background: set[asyncio.Task[None]] = set()
         pool.on_behind = self._behind
 
     def __repr__(self) -> str:
         return f"<WeightSync v{self.pool.version} {self.current!r}>"
+
+    @property
+    def worst_case_seconds(self) -> float:
+        """The longest an update runs once it started: pause, load, commit or rollback."""
+        return 3 * self.phase_seconds
 
     # ------------------------------------------------------------------ reading
 
@@ -143,8 +236,24 @@ class WeightSync:
         mode: protocol.PauseMode = protocol.PauseMode.WAIT,
     ) -> dict[str, Any]:
         """Every connected worker serves ``version`` (loaded from ``path``) when this
-        returns; on any error every worker still serves what it served before."""
-        check_request(self.pool.version, version, self.current)
+        returns. On ``UpdateFailedError`` every worker serves what it served before, except
+        with ``commit_failed``: the workers it names are out of service, the others serve
+        ``version``. Cancelling the caller does not stop the update (see the module
+        docstring); the same update asked again gets its outcome."""
+        running = self.current
+        last = self._last
+        admission = admit(
+            self.pool.version,
+            (version, path),
+            running.key if running is not None else None,
+            last.key if last is not None else None,
+        )
+        if admission is Admission.JOIN:
+            assert self._task is not None
+            return await asyncio.shield(self._task)
+        if admission is Admission.REPLAY:
+            assert last is not None
+            return last.answer()
         old = [h for h in self.pool.workers.values() if not h.endpoint.can_update]
         if old:
             raise UpdateRefusedError(
@@ -155,13 +264,40 @@ class WeightSync:
         update = WeightsUpdate(f"wu-{secrets.token_hex(6)}", version, path, mode)
         self.current = update
         self.pool.hold()
+        task = asyncio.get_running_loop().create_task(self._own(update))
+        task.add_done_callback(_observed)
+        self._task = task
+        return await asyncio.shield(task)
+
+    async def close(self) -> None:
+        """Stop a running update (the proxy shuts down): it is rolled back, unless it was
+        committing already, which runs to its end."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RelayError):
+                await task
+        for background in list(self._background):
+            background.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RelayError):
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _own(self, update: WeightsUpdate) -> dict[str, Any]:
+        """The update's task: runs it, keeps its outcome for retries, lets the pool go."""
         try:
             async with self._lock:
                 await self._run(update)
+            report = self.report()
+            report["updating"] = None
+            self._last = Outcome(update.key, report, None)
+            return report
+        except WeightsUpdateError as exc:
+            # A retryable failure is not kept: the same update asked again runs again.
+            self._last = None if exc.retryable else Outcome(update.key, None, exc)
+            raise
         finally:
             self.current = None
             self.pool.release()
-        return self.report()
 
     async def _run(self, update: WeightsUpdate) -> None:
         handles = [h for h in self.pool.workers.values() if h.state is WorkerState.SERVING]
@@ -175,52 +311,117 @@ class WeightSync:
             len(handles),
             update.mode.value,
         )
+        failure: UpdateFailedError | None = None
         try:
-            answers = await self._phase(
-                handles, protocol.Pause(update.update_id, update.mode), protocol.UpdatePhase.PAUSED
-            )
-            failed = _failures(answers)
-            if not failed:
-                update.advance(UpdateState.LOADING)
-                load = protocol.Load(update.update_id, update.version, update.path)
-                answers = await self._phase(handles, load, protocol.UpdatePhase.LOADED)
-                failed = _failures(answers)
-            if failed:
-                update.advance(UpdateState.ROLLING_BACK)
-                await self._phase(
-                    handles, protocol.Rollback(update.update_id), protocol.UpdatePhase.ROLLED_BACK
-                )
-                update.advance(UpdateState.ROLLED_BACK)
-                self.pool.stats.updates_rolled_back += 1
-                # A worker that said no explains more than one that did not answer.
-                refused = [w for w in failed if isinstance(answers[w], protocol.UpdateAck)]
-                worker = refused[0] if refused else next(iter(failed))
-                raise UpdateFailedError(
-                    "weights_load_failed" if refused else "update_timeout",
-                    f"worker {worker} could not load weights version {update.version}: "
-                    f"{failed[worker]} (every worker still serves the previous version)",
-                )
-            update.advance(UpdateState.COMMITTING)
-            answers = await self._phase(
-                handles, protocol.Commit(update.update_id), protocol.UpdatePhase.COMMITTED
-            )
-            # A stamp-only update keeps the weights, and so the checkpoint they came from.
-            path = update.path or self.pool.weights_path
-            self.pool.version, self.pool.weights_path = update.version, path
-            update.advance(UpdateState.COMMITTED)
-            self.pool.stats.updates_committed += 1
-            for handle in handles:
-                answer = answers.get(handle.worker_id)
-                if isinstance(answer, protocol.UpdateAck) and answer.ok:
-                    handle.version = update.version
-                    handle.weights_path = update.path or handle.weights_path
-                elif answer is not None:  # it did not commit: its weights are unknown
-                    await self._out_of_service(handle, _reason(answer))
-            log.info("weight update %s: version %d serves", update.update_id, update.version)
+            failure = await self._pause_and_load(update, handles)
+            if failure is None:
+                update.advance(UpdateState.COMMITTING)
+                # Once a commit is sent, the workers' weights depend on its answers: it
+                # settles even if the update is stopped meanwhile.
+                await finish_anyway(self._commit(update, handles))
         finally:
+            if update.state in (UpdateState.PAUSING, UpdateState.LOADING):
+                # Failed, or stopped (the proxy shuts down), before anything committed.
+                update.advance(UpdateState.ROLLING_BACK)
+                await finish_anyway(self._roll_back(update, handles))
             for handle in handles:
                 if handle.state is WorkerState.UPDATING:
                     self.pool.serve(handle)
+        if failure is not None:
+            raise failure
+
+    async def _pause_and_load(
+        self, update: WeightsUpdate, handles: Sequence[WorkerHandle]
+    ) -> UpdateFailedError | None:
+        """The first two phases; the error that stops the update, if any."""
+        pause = protocol.Pause(update.update_id, update.mode)
+        answers = await self._phase(handles, pause, protocol.UpdatePhase.PAUSED)
+        failed = _failures(answers)
+        busy = sorted(
+            w
+            for w in failed
+            if isinstance(a := answers[w], protocol.UpdateAck) and a.code == protocol.ACK_BUSY
+        )
+        if busy:
+            return UpdateFailedError(
+                "worker_busy",
+                f"worker {busy[0]} is in another weight update (another proxy replica's); "
+                "every worker still serves the previous version: try again when it is done",
+                workers=tuple(busy),
+                retryable=True,
+            )
+        if not failed:
+            update.advance(UpdateState.LOADING)
+            load = protocol.Load(update.update_id, update.version, update.path)
+            answers = await self._phase(handles, load, protocol.UpdatePhase.LOADED)
+            failed = _failures(answers)
+        if not failed:
+            return None
+        # A worker that said no explains more than one that did not answer.
+        refused = sorted(w for w in failed if isinstance(answers[w], protocol.UpdateAck))
+        worker = refused[0] if refused else min(failed)
+        return UpdateFailedError(
+            "weights_load_failed" if refused else "update_timeout",
+            f"worker {worker} could not load weights version {update.version}: "
+            f"{failed[worker]} (every worker still serves the previous version)",
+            workers=tuple(sorted(failed)),
+        )
+
+    async def _roll_back(self, update: WeightsUpdate, handles: Sequence[WorkerHandle]) -> None:
+        rollback = protocol.Rollback(update.update_id)
+        answers = await self._phase(handles, rollback, protocol.UpdatePhase.ROLLED_BACK)
+        update.advance(UpdateState.ROLLED_BACK)
+        self.pool.stats.updates_rolled_back += 1
+        for handle in handles:
+            answer = answers.get(handle.worker_id)
+            if answer is not None and not (isinstance(answer, protocol.UpdateAck) and answer.ok):
+                # It may still hold its requests: not left paused in the pool.
+                await self._out_of_service(handle, f"could not roll back: {_reason(answer)}")
+
+    async def _commit(self, update: WeightsUpdate, handles: Sequence[WorkerHandle]) -> None:
+        commit = protocol.Commit(update.update_id)
+        answers = await self._phase(handles, commit, protocol.UpdatePhase.COMMITTED)
+        committed = [
+            h
+            for h in handles
+            if isinstance(a := answers.get(h.worker_id), protocol.UpdateAck) and a.ok
+        ]
+        failed = _failures(answers)
+        # A stamp-only update keeps the weights, and so the checkpoint they came from.
+        path = update.path or self.pool.weights_path
+        if committed or not failed:
+            # Some worker serves it (or no worker was there to fail): the pool's version,
+            # unless a newer one was adopted meanwhile.
+            if update.version > self.pool.version:
+                self.pool.version, self.pool.weights_path = update.version, path
+            update.advance(UpdateState.COMMITTED)
+            self.pool.stats.updates_committed += 1
+        else:
+            update.advance(UpdateState.COMMIT_FAILED)
+        for handle in committed:
+            handle.version = update.version
+            handle.weights_path = update.path or handle.weights_path
+            if handle.version < self.pool.version:
+                handle.state = WorkerState.JOINING  # catches up once this update is done
+                self._behind(handle)
+        for worker_id in sorted(failed):
+            handle = next(h for h in handles if h.worker_id == worker_id)
+            await self._out_of_service(handle, f"could not commit: {failed[worker_id]}")
+        if failed:
+            self.pool.stats.updates_commit_failed += 1
+            serving = (
+                f"the others serve version {update.version}"
+                if committed
+                else f"no worker committed; the version stays {self.pool.version}"
+            )
+            first = min(failed)
+            raise UpdateFailedError(
+                "commit_failed",
+                f"worker {', '.join(sorted(failed))} could not commit weights version "
+                f"{update.version} ({first}: {failed[first]}) and is out of service; {serving}",
+                workers=tuple(sorted(failed)),
+            )
+        log.info("weight update %s: version %d serves", update.update_id, update.version)
 
     async def _phase(
         self,
@@ -328,6 +529,12 @@ class WeightSync:
                 return False
             await asyncio.sleep(0.05)
         return True
+
+
+def _observed(task: asyncio.Task[dict[str, Any]]) -> None:
+    """Retrieve an update's error: every caller may have gone away before it ended."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _failures(answers: Answers) -> dict[str, str]:

@@ -92,6 +92,13 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         help="WebSocket ping interval; a worker that misses a pong is evicted",
     )
     parser.add_argument(
+        "--weights-phase-seconds",
+        type=float,
+        default=limits.weights_phase_seconds,
+        help="how long each phase of a weight update (pause, load, commit or rollback) may "
+        "take on the workers; a whole POST /weights takes at most three phases",
+    )
+    parser.add_argument(
         "--drain-seconds",
         type=float,
         default=limits.drain_seconds,
@@ -185,6 +192,7 @@ def _config(
         max_queued=args.max_queued,
         max_queued_per_trial=args.max_queued_per_trial,
         heartbeat_seconds=args.heartbeat_seconds,
+        weights_phase_seconds=args.weights_phase_seconds,
         drain_seconds=args.drain_seconds,
         data_dir=Path(args.data_dir) if args.data_dir is not None else None,
         session_idle_seconds=args.session_idle_seconds,

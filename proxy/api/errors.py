@@ -36,13 +36,19 @@ def json_response(payload: object, status: int = 200) -> web.Response:
 
 
 def error_body(exc: ProxyError) -> dict[str, object]:
-    return {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}}
+    error: dict[str, object] = {"message": exc.message, "type": exc.error_type, "code": exc.code}
+    if exc.details:
+        error.update({k: v for k, v in exc.details.items() if k not in error})
+    return {"error": error}
 
 
 def openai_error(exc: ProxyError) -> web.Response:
     response = json_response(error_body(exc), status=exc.status)
     if isinstance(exc, ServiceUnavailableError):
         response.headers["Retry-After"] = str(exc.retry_after)
+    if exc.should_retry is not None:
+        # The header the OpenAI and Anthropic SDKs obey before their own status rules.
+        response.headers["x-should-retry"] = "true" if exc.should_retry else "false"
     if isinstance(exc, AuthenticationError):
         # RFC 9110 §11.6.1: a 401 names the authentication scheme to use.
         response.headers["WWW-Authenticate"] = 'Bearer realm="rollout-relay"'

@@ -14,9 +14,14 @@ from collections.abc import Callable
 import pytest
 
 from relay import protocol
-from relay.exceptions import RelayError, UpdateFailedError, UpdateRefusedError
+from relay.exceptions import (
+    RelayError,
+    UpdateFailedError,
+    UpdateRefusedError,
+    WeightsUpdateError,
+)
 from relay.pool import WorkerHandle, WorkerId, WorkerPool, WorkerState
-from relay.weights import UpdateState, WeightsUpdate, WeightSync, check_request
+from relay.weights import Admission, UpdateState, WeightsUpdate, WeightSync, admit
 
 Phase = protocol.UpdatePhase
 
@@ -32,7 +37,10 @@ class WorkerLink:
     """A worker on the other end of the link: answers each update phase with an
     ``UpdateAck`` through the pool, as the worker client does. ``fail``: phases answered
     ``ok=False`` with that message; ``silent``: phases never answered; ``leave_on``: the
-    phase on whose arrival the worker disconnects; ``gate``: awaited before answering."""
+    phase on whose arrival the worker disconnects; ``gate``: awaited before answering
+    (``gate_on``: only that phase's answer); ``busy``: the pause is refused as a worker
+    in another proxy replica's update refuses it. ``paused`` says whether the worker's
+    engine holds its requests (paused and neither committed nor rolled back)."""
 
     def __init__(
         self,
@@ -43,6 +51,8 @@ class WorkerLink:
         silent: frozenset[protocol.UpdatePhase] = frozenset(),
         leave_on: protocol.UpdatePhase | None = None,
         gate: asyncio.Event | None = None,
+        gate_on: protocol.UpdatePhase | None = None,
+        busy: bool = False,
     ) -> None:
         self.pool = pool
         self.handle: WorkerHandle | None = None
@@ -54,6 +64,9 @@ class WorkerLink:
         self.silent = silent
         self.leave_on = leave_on
         self.gate = gate
+        self.gate_on = gate_on
+        self.busy = busy
+        self.paused = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def send(self, data: bytes) -> None:
@@ -83,7 +96,7 @@ class WorkerLink:
 
     async def _answer(self, message: protocol.UpdateMessage) -> None:
         phase = _PHASES[type(message)]
-        if self.gate is not None:
+        if self.gate is not None and self.gate_on in (None, phase):
             await self.gate.wait()
         await asyncio.sleep(0)  # the answer comes later than the send, as over a socket
         handle = self.handle
@@ -94,7 +107,17 @@ class WorkerLink:
             return
         if phase in self.silent or self.closed:
             return
+        if phase is Phase.PAUSED and self.busy:
+            ack = protocol.UpdateAck(
+                message.update_id, phase, False, self.version, "another update", code=protocol.ACK_BUSY
+            )
+            await self.pool.handle_message(handle, handle.endpoint.receive(protocol.encode(ack)))
+            return
         ok = phase not in self.fail
+        if ok and isinstance(message, protocol.Pause):
+            self.paused = True
+        elif isinstance(message, protocol.Commit | protocol.Rollback):
+            self.paused = False  # a failed commit resumes the engine on its old weights
         if ok and isinstance(message, protocol.Load):
             self.staged = message.version
         elif ok and isinstance(message, protocol.Commit):
@@ -144,17 +167,25 @@ def _generates(link: WorkerLink) -> list[protocol.Generate]:
 # --------------------------------------------------------------------------- decisions
 
 
-def test_check_request_refuses_old_versions_and_concurrent_updates() -> None:
-    """An update must name a newer version than the pool's, and only one runs at a time."""
-    check_request(3, 4, None)
+def test_admit_joins_retries_and_refuses_old_versions_and_concurrent_updates() -> None:
+    """The same update (version and path) joins the running one or replays the last
+    finished one; otherwise an update must name a newer version than the pool's, and
+    only one runs at a time."""
+    assert admit(3, (4, "/a"), None, None) is Admission.START
     for version in (3, 2):
         with pytest.raises(UpdateRefusedError) as refused:
-            check_request(3, version, None)
+            admit(3, (version, "/a"), None, None)
         assert refused.value.code == "version_not_newer"
-    running = WeightsUpdate("u1", 4, None, protocol.PauseMode.WAIT)
+        assert not refused.value.retryable
     with pytest.raises(UpdateRefusedError) as busy:
-        check_request(3, 5, running)
+        admit(3, (5, "/b"), (4, "/a"), None)
     assert busy.value.code == "update_in_progress"
+    assert busy.value.retryable
+    assert admit(3, (4, "/a"), (4, "/a"), None) is Admission.JOIN
+    assert admit(4, (4, "/a"), None, (4, "/a")) is Admission.REPLAY
+    assert admit(4, (4, "/a"), (5, "/b"), (4, "/a")) is Admission.REPLAY
+    with pytest.raises(UpdateRefusedError):  # the same version from another path is new
+        admit(4, (4, "/other"), None, (4, "/a"))
 
 
 def test_an_update_advances_only_along_its_state_machine() -> None:
@@ -178,6 +209,12 @@ def test_an_update_advances_only_along_its_state_machine() -> None:
         back.advance(UpdateState.COMMITTED)
     back.advance(UpdateState.ROLLED_BACK)
     assert back.state is UpdateState.ROLLED_BACK
+    lost = WeightsUpdate("u3", 1, None, protocol.PauseMode.WAIT)
+    lost.advance(UpdateState.LOADING)
+    lost.advance(UpdateState.COMMITTING)
+    lost.advance(UpdateState.COMMIT_FAILED)
+    with pytest.raises(RelayError):
+        lost.advance(UpdateState.COMMITTED)
 
 
 # --------------------------------------------------------------------------- updates
@@ -329,18 +366,42 @@ async def test_a_worker_that_leaves_mid_update_is_dropped_and_the_rest_commit() 
 
 async def test_a_worker_that_cannot_commit_is_taken_out_of_service() -> None:
     """A commit that fails leaves that worker's weights unknown: it is closed and removed
-    rather than left serving under the new version; the others serve it."""
+    rather than left serving under the new version; the others serve it, and the answer
+    is a commit_failed error naming the worker, not a success."""
     pool = WorkerPool(wait_seconds=1)
     sync = WeightSync(pool, phase_seconds=5)
     a, link_a = await _add(pool, "a")
     b, link_b = await _add(pool, "b", fail={Phase.COMMITTED: "engine crashed"})
-    await sync.update(1, "/ckpt/1")
+    with pytest.raises(UpdateFailedError) as failed:
+        await sync.update(1, "/ckpt/1")
+    assert failed.value.code == "commit_failed"
+    assert failed.value.workers == ("b",)
+    assert "engine crashed" in failed.value.message
     assert pool.version == 1
     assert (a.version, a.state, link_a.closed) == (1, WorkerState.SERVING, False)
     assert b.state is WorkerState.OUT_OF_SERVICE
     assert b.version == 0
     assert link_b.closed
     assert list(pool.workers) == ["a"]
+    assert not (link_a.paused or link_b.paused)
+
+
+async def test_a_commit_failing_on_every_worker_moves_no_version() -> None:
+    """When no worker commits, nothing serves the new version: the pool keeps its version
+    and checkpoint, the workers are out of service, and the answer names them all."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    crash = {Phase.COMMITTED: "engine crashed"}
+    (a, link_a), (b, link_b) = await _add(pool, "a", fail=crash), await _add(pool, "b", fail=crash)
+    with pytest.raises(UpdateFailedError) as failed:
+        await sync.update(1, "/ckpt/1")
+    assert (failed.value.code, failed.value.workers) == ("commit_failed", ("a", "b"))
+    assert (pool.version, pool.weights_path) == (0, None)
+    assert sync.report()["version"] == 0
+    assert (a.state, b.state) == (WorkerState.OUT_OF_SERVICE, WorkerState.OUT_OF_SERVICE)
+    assert (link_a.closed, link_b.closed) == (True, True)
+    assert pool.workers == {}
+    assert (pool.held, sync.current) == (0, None)
 
 
 async def test_a_phase_without_an_answer_times_out_and_rolls_back() -> None:
@@ -449,3 +510,145 @@ async def test_a_worker_joining_during_an_update_serves_only_after_loading_it() 
     assert link_late.phases()[:3] == ["Pause", "Load(1, /ckpt/1)", "Commit"]
     call = await asyncio.wait_for(request, 5)
     assert call.segments == [(0, 1)]
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+async def _settled(sync: WeightSync) -> None:
+    await _until(lambda: sync.current is None, "the update finished")
+
+
+def _assert_nothing_paused(pool: WorkerPool, *links: WorkerLink) -> None:
+    assert [link.paused for link in links] == [False] * len(links)
+    assert [h.state for h in pool.workers.values()] == [WorkerState.SERVING] * len(pool.workers)
+    assert pool.held == 0
+
+
+@pytest.mark.parametrize("phase", [Phase.PAUSED, Phase.LOADED, Phase.COMMITTED])
+async def test_a_caller_that_goes_away_does_not_stop_the_update(phase: Phase) -> None:
+    """The update belongs to the proxy: cancelling the caller at any of its awaits (the
+    client hung up) lets it run to its commit; no worker stays paused or updating, and
+    the next request is served on the new version."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    gate = asyncio.Event()
+    _, link_a = await _add(pool, "a", gate=gate, gate_on=phase)
+    _, link_b = await _add(pool, "b")
+    caller = asyncio.create_task(sync.update(1, "/ckpt/1"))
+    sent = [Phase.PAUSED, Phase.LOADED, Phase.COMMITTED].index(phase) + 1
+    await _until(lambda: len(link_b.sent) == sent, f"the update waits for {phase.value}")
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    gate.set()
+    await _settled(sync)
+    for link in (link_a, link_b):
+        assert link.phases() == ["Pause", "Load(1, /ckpt/1)", "Commit"]
+    _assert_nothing_paused(pool, link_a, link_b)
+    assert pool.version == 1
+    call = await asyncio.wait_for(pool.start("tiny", [1], protocol.Sampling(max_tokens=1)), 1)
+    assert call.segments == [(0, 1)]
+    assert await sync.update(1, "/ckpt/1") == sync.report()  # its outcome, kept
+
+
+@pytest.mark.parametrize("phase", [Phase.PAUSED, Phase.LOADED])
+async def test_closing_the_service_rolls_a_running_update_back(phase: Phase) -> None:
+    """An update stopped before its commit (the proxy shuts down) rolls every worker back
+    in its cleanup: none is left paused or updating and the version does not move."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    gate = asyncio.Event()
+    _, link_a = await _add(pool, "a", gate=gate, gate_on=phase)
+    _, link_b = await _add(pool, "b")
+    caller = asyncio.create_task(sync.update(1, "/ckpt/1"))
+    sent = 1 if phase is Phase.PAUSED else 2
+    await _until(lambda: len(link_b.sent) == sent, f"the update waits for {phase.value}")
+    gate.set()  # the rollback is answered
+    await sync.close()
+    with pytest.raises((asyncio.CancelledError, WeightsUpdateError)):
+        await caller
+    for link in (link_a, link_b):
+        assert link.phases()[-1] == "Rollback"
+        assert "Commit" not in link.phases()
+    _assert_nothing_paused(pool, link_a, link_b)
+    assert (pool.version, sync.current) == (0, None)
+
+
+async def test_a_retry_of_the_same_update_gets_its_outcome() -> None:
+    """A second request for the running update (same version and path) waits for it and
+    gets its answer, a retry after it finished gets the same answer, and the workers see
+    one update; a different update while it runs is refused as retryable."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    gate = asyncio.Event()
+    _, link = await _add(pool, "a", gate=gate)
+    first = asyncio.create_task(sync.update(1, "/ckpt/1"))
+    await _until(lambda: bool(link.sent), "the update paused the worker")
+    again = asyncio.create_task(sync.update(1, "/ckpt/1", protocol.PauseMode.ABORT))
+    with pytest.raises(UpdateRefusedError) as other:
+        await sync.update(2, "/ckpt/2")
+    assert (other.value.code, other.value.retryable) == ("update_in_progress", True)
+    await asyncio.sleep(0.01)
+    assert not again.done()
+    gate.set()
+    report = await asyncio.wait_for(first, 5)
+    assert await asyncio.wait_for(again, 5) == report
+    assert await sync.update(1, "/ckpt/1") == report
+    assert link.phases() == ["Pause", "Load(1, /ckpt/1)", "Commit"]
+    assert report["version"] == 1
+
+
+async def test_a_retry_of_a_failed_update_gets_the_same_error() -> None:
+    """A retry of an update that failed for good (its checkpoint did not load) is answered
+    with the same error, without asking the workers again."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    _, link = await _add(pool, "a", fail={Phase.LOADED: "no such directory"})
+    with pytest.raises(UpdateFailedError) as first:
+        await sync.update(1, "/missing")
+    with pytest.raises(UpdateFailedError) as again:
+        await sync.update(1, "/missing")
+    assert (again.value.code, again.value.message) == (first.value.code, first.value.message)
+    assert not again.value.retryable
+    assert link.phases() == ["Pause", "Load(1, /missing)", "Rollback"]
+
+
+async def test_a_worker_busy_with_another_replicas_update_is_retryable() -> None:
+    """A worker paused by another replica's update refuses the pause: the update is rolled
+    back with the retryable worker_busy, and asking again runs it (the outcome is not
+    kept) once the worker is free."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    _, link_a = await _add(pool, "a")
+    _, link_b = await _add(pool, "b", busy=True)
+    with pytest.raises(UpdateFailedError) as failed:
+        await sync.update(1, "/ckpt/1")
+    assert (failed.value.code, failed.value.retryable) == ("worker_busy", True)
+    assert failed.value.workers == ("b",)
+    assert link_a.phases() == ["Pause", "Rollback"]
+    _assert_nothing_paused(pool, link_a, link_b)
+    link_b.busy = False
+    report = await sync.update(1, "/ckpt/1")
+    assert report["version"] == 1
+    assert link_b.phases()[-2:] == ["Load(1, /ckpt/1)", "Commit"]
+
+
+async def test_the_pool_version_never_moves_backwards() -> None:
+    """A newer version adopted while an update runs (a worker updated through another
+    replica joined) stays the pool's when the update commits its older version, and the
+    update's workers are brought up to it."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    gate = asyncio.Event()
+    a, link_a = await _add(pool, "a", gate=gate, gate_on=Phase.COMMITTED)
+    update = asyncio.create_task(sync.update(1, "/ckpt/1"))
+    await _until(lambda: len(link_a.sent) == 3, "the update commits")
+    await _add(pool, "c", version=5, path="/ckpt/5")
+    assert pool.version == 5
+    gate.set()
+    await asyncio.wait_for(update, 5)
+    assert (pool.version, pool.weights_path) == (5, "/ckpt/5")
+    await _until(lambda: a.version == 5, "the updated worker caught up")
+    assert link_a.phases()[-3:] == ["Pause", "Load(5, /ckpt/5)", "Commit"]
+    assert pool.version == 5
