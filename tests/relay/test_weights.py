@@ -109,7 +109,12 @@ class WorkerLink:
             return
         if phase is Phase.PAUSED and self.busy:
             ack = protocol.UpdateAck(
-                message.update_id, phase, False, self.version, "another update", code=protocol.ACK_BUSY
+                message.update_id,
+                phase,
+                False,
+                self.version,
+                "another update",
+                code=protocol.ACK_BUSY,
             )
             await self.pool.handle_message(handle, handle.endpoint.receive(protocol.encode(ack)))
             return
@@ -383,7 +388,7 @@ async def test_a_worker_that_cannot_commit_is_taken_out_of_service() -> None:
     assert b.version == 0
     assert link_b.closed
     assert list(pool.workers) == ["a"]
-    assert not (link_a.paused or link_b.paused)
+    assert (link_a.paused, link_b.paused) == (False, False)
 
 
 async def test_a_commit_failing_on_every_worker_moves_no_version() -> None:
