@@ -493,31 +493,61 @@ class WeightSync:
                 )
                 return
             update_id = f"wu-{secrets.token_hex(6)}"
-            steps: list[tuple[protocol.UpdateMessage, protocol.UpdatePhase]] = [
-                (protocol.Pause(update_id), protocol.UpdatePhase.PAUSED),
-                (protocol.Load(update_id, target, path), protocol.UpdatePhase.LOADED),
-                (protocol.Commit(update_id), protocol.UpdatePhase.COMMITTED),
-            ]
-            for i, (message, phase) in enumerate(steps):
-                answer = (await self._phase([handle], message, phase)).get(handle.worker_id)
-                if answer is None:
-                    return  # it left
-                if isinstance(answer, protocol.UpdateAck) and answer.ok:
-                    continue
-                if i == 0 and await self._reaches(handle, target):
+            pause = protocol.Pause(update_id)
+            answer = (await self._phase([handle], pause, protocol.UpdatePhase.PAUSED)).get(
+                handle.worker_id
+            )
+            if answer is None:
+                return  # it left
+            if not (isinstance(answer, protocol.UpdateAck) and answer.ok):
+                if await self._reaches(handle, target):
                     # Paused by another replica's update of the same weights.
                     self.pool.serve(handle)
-                    return
-                if i == 1:
-                    rollback = protocol.Rollback(update_id)
-                    await self._phase([handle], rollback, protocol.UpdatePhase.ROLLED_BACK)
-                await self._out_of_service(
-                    handle, f"could not load weights version {target}: {_reason(answer)}"
-                )
+                else:
+                    await self._out_of_service(
+                        handle, f"could not load weights version {target}: {_reason(answer)}"
+                    )
                 return
-            handle.version, handle.weights_path = target, path or handle.weights_path
-            log.info("worker %s caught up to weights version %d", handle.worker_id, target)
+            # Paused: from here on it is resumed whatever happens, cancellation included.
+            await finish_anyway(self._load_paused(handle, update_id, answer.version, target, path))
+
+    async def _load_paused(
+        self, handle: WorkerHandle, update_id: str, serves: int, target: int, path: str | None
+    ) -> None:
+        """Catching up a paused worker that serves ``serves``: load and commit ``target``,
+        or roll back (it reached the target meanwhile, or could not load it)."""
+        failure: str | None = None
+        if serves < target:
+            for message, phase in (
+                (protocol.Load(update_id, target, path), protocol.UpdatePhase.LOADED),
+                (protocol.Commit(update_id), protocol.UpdatePhase.COMMITTED),
+            ):
+                answer = (await self._phase([handle], message, phase)).get(handle.worker_id)
+                if answer is None:
+                    return  # it left (and rolls back by itself)
+                if not (isinstance(answer, protocol.UpdateAck) and answer.ok):
+                    failure = _reason(answer)
+                    break
+            else:
+                handle.version, handle.weights_path = target, path or handle.weights_path
+                log.info("worker %s caught up to weights version %d", handle.worker_id, target)
+                self.pool.serve(handle)
+                return
+        # Its own notice crossed this catching up (it committed the target through another
+        # replica or its Ray group), or it could not load: the pause ends either way.
+        rollback = protocol.Rollback(update_id)
+        answer = (await self._phase([handle], rollback, protocol.UpdatePhase.ROLLED_BACK)).get(
+            handle.worker_id
+        )
+        if answer is None:
+            return  # it left
+        if failure is None and isinstance(answer, protocol.UpdateAck) and answer.ok:
+            handle.version = max(handle.version, serves)
             self.pool.serve(handle)
+            return
+        await self._out_of_service(
+            handle, f"could not load weights version {target}: {failure or _reason(answer)}"
+        )
 
     async def _reaches(self, handle: WorkerHandle, version: int) -> bool:
         """Whether the worker reports ``version`` (or newer) within a phase's time."""

@@ -32,6 +32,7 @@ from worker_client.exceptions import (
     ConnectionRefusedByProxy,
     EngineError,
     PromptTooLongError,
+    WeightsBusyError,
     WeightsError,
 )
 from worker_client.outbox import Outbox
@@ -406,7 +407,10 @@ class _UpdateDriver:
                 return
             if not isinstance(exc, WeightsError):
                 log.exception("weight update %s failed", update_id)
-            self._send(protocol.UpdateAck(update_id, phase, False, self.policy.version, str(exc)))
+            code = protocol.ACK_BUSY if isinstance(exc, WeightsBusyError) else ""
+            self._send(
+                protocol.UpdateAck(update_id, phase, False, self.policy.version, str(exc), code)
+            )
             return
         if not self._finished(update_id, phase):
             self._send(protocol.UpdateAck(update_id, phase, True, version))

@@ -7,7 +7,8 @@
     │   ├── PromptTooLongError      prompt + max_tokens exceed the context window
     │   └── EngineUnavailableError  the backend cannot start (missing GPU, package, model)
     ├── WeightsError                a weight update cannot be done (the checkpoint does not
-    │                                   load, the backend cannot load, another update runs)
+    │   │                               load, the backend cannot load, a commit failed)
+    │   └── WeightsBusyError        another update (another proxy replica's) holds the worker
     └── ConnectionRefusedByProxy    the proxy rejected the hello (auth, protocol version)
 """
 
@@ -30,6 +31,11 @@ class EngineUnavailableError(EngineError):
 
 class WeightsError(WorkerError):
     """A weight update cannot be done; the weights served before stay served."""
+
+
+class WeightsBusyError(WeightsError):
+    """Another weight update is in progress on this worker (driven through another proxy
+    replica, or the Ray group): the same update may succeed once that one is done."""
 
 
 class ConnectionRefusedByProxy(WorkerError):

@@ -46,7 +46,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
 )
-from worker_client.exceptions import WeightsError
+from worker_client.exceptions import WeightsBusyError, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +194,18 @@ class VersionedEngine:
         self._staged = True
 
     async def commit(self, version: int) -> None:
-        """Serve what ``load`` read (if anything) as ``version``."""
+        """Serve what ``load`` read (if anything) as ``version``. An engine that cannot
+        swap the weights in serves again on its old version number (never left paused)
+        and the error is raised: the caller reports it, and the proxy takes the worker
+        out of service."""
         if self._staged:
             assert isinstance(self.engine, WeightLoader)
             self._staged = False
-            await self.engine.commit_weights(version)
+            try:
+                await self.engine.commit_weights(version)
+            except BaseException:
+                await self.resume(self.version)
+                raise
         await self.resume(version)
 
     async def rollback(self) -> None:
@@ -266,7 +273,7 @@ class WorkerPolicy:
         """Phase 1: hold new requests; return once none runs on any engine."""
         async with self._lock:
             if self.state is not UpdateState.IDLE:
-                raise WeightsError(f"another weight update ({self.update_id}) is in progress")
+                raise WeightsBusyError(f"another weight update ({self.update_id}) is in progress")
             self.update_id = update_id
             self.state = UpdateState.PAUSED
         abort = mode is PauseMode.ABORT
@@ -292,16 +299,31 @@ class WorkerPolicy:
             self.state = UpdateState.LOADED
 
     async def commit(self, update_id: str) -> int:
-        """Phase 3: serve the loaded weights as the new version; returns it."""
+        """Phase 3: serve the loaded weights as the new version; returns it. An engine
+        that cannot commit raises ``WeightsError``; every engine serves again (those not
+        committed on the old version) and the update is over either way."""
         async with self._lock:
             self._require(update_id, UpdateState.LOADED)
             assert self._pending is not None
             version, path = self._pending
+            failure: Exception | None = None
             try:
                 for engine in self.engines:
-                    await engine.commit(version)
+                    if failure is not None:
+                        await engine.rollback()
+                        continue
+                    try:
+                        await engine.commit(version)
+                    except Exception as exc:
+                        failure = exc
             finally:
                 self._finish()
+            if failure is not None:
+                log.error("weights version %d did not commit: %s", version, failure)
+                raise WeightsError(
+                    f"weights version {version} did not commit: "
+                    f"{type(failure).__name__}: {failure}; serving version {self.version}"
+                ) from failure
             # Stamped without a checkpoint: the weights, and where they came from, stay.
             self.path = path or self.path
         log.info("serving weights version %d (%s)", version, path or "no checkpoint")

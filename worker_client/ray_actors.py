@@ -9,9 +9,16 @@ Weight sync across the group, in process (the same phases a proxy drives over th
 ``worker_client.policy``): ``update_weights(version, path, mode)`` pauses every actor (new
 requests wait; running ones finish, or with ``mode="abort"`` stop and are continued by the
 proxy on the new weights), has every actor read and check the checkpoint at ``path``, then
-commits on all of them, or rolls all of them back if any could not load. Every proxy the
-actors serve is told the new version. For a trainer that updates the engines itself (verl
-does), ``pause`` and ``resume(version)`` only hold the requests and stamp the version.
+commits on all of them, or rolls all of them back if any could not pause or load. Every
+proxy the actors serve is told the new version. For a trainer that updates the engines
+itself (verl does), ``pause`` and ``resume(version)`` only hold the requests and stamp the
+version.
+
+No actor is left paused by a group call that fails: a pause that fails on some actors
+resumes the others; a commit that fails on some actors leaves those serving their old
+version (the engine resumes them) and the others the new one, and raises ``WeightsError``
+naming them; each proxy then hears the new version from the actors that committed and
+brings the others up to it (or takes them out of service), as for any worker behind.
 
 Ray is imported lazily: it is an optional dependency (``rollout-relay[ray]``). Ray's own
 errors are translated to ``WorkerError`` subclasses here.
@@ -30,7 +37,12 @@ from typing import Any
 from relay.protocol import PauseMode
 from worker_client.client import ServedModel, WorkerClient
 from worker_client.engine import Engine, LogprobsMode
-from worker_client.exceptions import EngineUnavailableError, WeightsError, WorkerError
+from worker_client.exceptions import (
+    EngineUnavailableError,
+    WeightsBusyError,
+    WeightsError,
+    WorkerError,
+)
 from worker_client.policy import VersionedEngine
 
 
@@ -105,9 +117,19 @@ class WorkerActor:
 
     async def pause(self, abort_in_flight: bool = False) -> None:
         """Hold new requests; return once none runs (an update's first phase)."""
-        self._update = f"ray-{time.monotonic_ns()}"
+        if self._update is not None:
+            raise WeightsBusyError(f"this actor is paused for update {self._update} already")
+        update = f"ray-{time.monotonic_ns()}"
         mode = PauseMode.ABORT if abort_in_flight else PauseMode.WAIT
-        await self.client.policy.pause(self._update, mode)
+        self._update = update
+        try:
+            await self.client.policy.pause(update, mode)
+        except BaseException:
+            # Refused (another update holds the worker) or rolled back meanwhile: this
+            # actor has no update of its own to roll back.
+            if self._update == update:
+                self._update = None
+            raise
 
     async def load(self, version: int, path: str | None = None) -> None:
         """Read and check the checkpoint (second phase); raises ``WeightsError``."""
@@ -128,11 +150,16 @@ class WorkerActor:
             await self.client.policy.rollback(update)
 
     async def resume(self, version: int | None = None) -> int:
-        """Serve again after ``pause``, stamped ``version`` (default: the next one)."""
+        """Serve again after ``pause``, stamped ``version`` (default: the next one); a
+        version that cannot be stamped serves the old one again and raises."""
         target = self.client.policy.version + 1 if version is None else version
         if self._update is None:
             await self.pause()
-        await self.load(target)
+        try:
+            await self.load(target)
+        except BaseException:
+            await self.rollback()
+            raise
         return await self.commit()
 
     async def status(self) -> dict[str, Any]:
@@ -152,6 +179,26 @@ class WorkerActor:
                 await self._task
             self._task = None
         await self.engine.close()
+
+
+async def _each(ray: Any, refs: list[Any]) -> list[Any]:
+    """Every ref's result, or the exception that stands in for it (its cause, for a Ray
+    task error): ``ray.get`` of the list would raise at the first and hide the others."""
+
+    def get_each() -> list[Any]:
+        results: list[Any] = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except Exception as exc:
+                results.append(getattr(exc, "cause", None) or exc)
+        return results
+
+    return await asyncio.get_running_loop().run_in_executor(None, get_each)
+
+
+def _failed(results: list[Any]) -> list[int]:
+    return [i for i, r in enumerate(results) if isinstance(r, BaseException)]
 
 
 async def _get(ray: Any, refs: Any, within_seconds: float | None = None) -> Any:
@@ -247,28 +294,64 @@ class WorkerActorGroup:
         return cls(actors, list(ids), group)
 
     async def pause(self, *, abort_in_flight: bool = False) -> None:
-        """Pause every worker; returns once none of them runs a request."""
-        await _get(_import_ray(), [a.pause.remote(abort_in_flight) for a in self.actors])
+        """Pause every worker; returns once none of them runs a request. When an actor
+        cannot pause (another update holds it), the others serve again and
+        ``WeightsError`` names it."""
+        ray = _import_ray()
+        results = await _each(ray, [a.pause.remote(abort_in_flight) for a in self.actors])
+        failed = _failed(results)
+        if failed:
+            # Only the pauses this call made: an actor that refused is held by another
+            # update, which is not this call's to end.
+            paused = [a for i, a in enumerate(self.actors) if i not in failed]
+            await _each(ray, [a.rollback.remote() for a in paused])
+            raise WeightsError(
+                f"{self._names(failed)} could not pause: {results[failed[0]]}; every actor "
+                "serves as before"
+            )
 
     async def resume(self, version: int) -> None:
-        await _get(_import_ray(), [a.resume.remote(version) for a in self.actors])
+        """Serve again after ``pause``, as ``version``; raises ``WeightsError`` naming the
+        actors that could not (they serve their old version, none stays paused)."""
+        ray = _import_ray()
+        results = await _each(ray, [a.resume.remote(version) for a in self.actors])
+        failed = _failed(results)
+        if failed:
+            raise WeightsError(
+                f"{self._names(failed)} could not resume as version {version}: {results[failed[0]]}"
+            )
 
     async def update_weights(
         self, version: int, path: str | None = None, mode: str = "wait"
     ) -> int:
         """Every actor serves ``version``, loaded from ``path`` (None: stamped only), or
-        none does: a checkpoint any actor cannot load rolls every actor back and raises
-        ``WeightsError``."""
+        ``WeightsError`` is raised: a checkpoint any actor cannot load (or an actor that
+        cannot pause) rolls every actor back; a commit that fails on some actors leaves
+        them on their old version and the others on ``version`` (see the module
+        docstring). No actor is left paused."""
         ray = _import_ray()
         await self.pause(abort_in_flight=PauseMode(mode) is PauseMode.ABORT)
-        try:
-            await _get(ray, [a.load.remote(version, path) for a in self.actors])
-        except Exception as exc:
-            await _get(ray, [a.rollback.remote() for a in self.actors])
-            cause = getattr(exc, "cause", None) or exc
-            raise WeightsError(f"weights version {version} did not load: {cause}") from None
-        await _get(ray, [a.commit.remote() for a in self.actors])
+        results = await _each(ray, [a.load.remote(version, path) for a in self.actors])
+        failed = _failed(results)
+        if failed:
+            await _each(ray, [a.rollback.remote() for a in self.actors])
+            raise WeightsError(
+                f"weights version {version} did not load: {results[failed[0]]} "
+                f"({self._names(failed)}); every actor serves the version before"
+            )
+        results = await _each(ray, [a.commit.remote() for a in self.actors])
+        failed = _failed(results)
+        if failed:
+            raise WeightsError(
+                f"weights version {version} did not commit on {self._names(failed)}: "
+                f"{results[failed[0]]}; they serve their version before, "
+                f"{len(self.actors) - len(failed)} of {len(self.actors)} serve {version}"
+            )
         return version
+
+    def _names(self, indexes: list[int]) -> str:
+        ids = [self.worker_ids[i] if i < len(self.worker_ids) else f"#{i}" for i in indexes]
+        return ("actor " if len(ids) == 1 else "actors ") + ", ".join(ids)
 
     async def weights(self) -> dict[str, Any]:
         """The version each actor serves."""

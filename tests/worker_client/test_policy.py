@@ -223,3 +223,50 @@ async def test_closing_a_reply_closes_the_engines_at_once(tiny_model_dir: Path) 
     await stream.aclose()
     assert inner._running == set()
     assert engine.in_flight == 0
+
+
+async def test_a_commit_the_engine_cannot_do_resumes_it_and_reports_failure(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose weight swap raises (a device error while the parameters change) is
+    never left paused: the update fails with WeightsError, the engine serves again on its
+    old version, the update is over, and no listener hears of the version."""
+    from worker_client.backends.hf import HFEngine
+    from worker_client.checkpoints import perturbed_checkpoint
+
+    hf = HFEngine.load(tiny_model_dir, name="tiny")
+    checkpoint = perturbed_checkpoint(tiny_model_dir, tmp_path / "step-2", seed=2)
+
+    def device_error(tensors: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(hf, "_apply_checkpoint", device_error)
+    engine = VersionedEngine(hf, version=1)
+    policy = WorkerPolicy([engine])
+    heard: list[tuple[int, str | None]] = []
+    policy.listen(lambda version, path: heard.append((version, path)))
+    await policy.pause("u1", PauseMode.WAIT)
+    await policy.load("u1", 2, str(checkpoint))
+    with pytest.raises(WeightsError, match=r"did not commit.*illegal memory access"):
+        await policy.commit("u1")
+    assert (engine.state, engine.version) == (PolicyState.SERVING, 1)
+    assert (policy.state, policy.update_id, policy.version) == (UpdateState.IDLE, None, 1)
+    assert heard == []
+    sampling = SamplingParams(max_tokens=2)
+    chunks = [c async for c in engine.generate("after", [1, 2, 3], sampling)]
+    assert chunks[-1].extra[POLICY_VERSION] == 1
+    await policy.update(3)  # the next update is not refused as "in progress"
+    assert policy.version == 3
+
+
+async def test_a_second_update_is_refused_as_busy(tiny_model_dir: Path) -> None:
+    """A pause while another update holds the worker raises WeightsBusyError (the proxy
+    answers a busy worker as retryable), and changes nothing of the running update."""
+    from worker_client.exceptions import WeightsBusyError
+
+    policy = _policy(tiny_model_dir)
+    await policy.pause("u1", PauseMode.WAIT)
+    with pytest.raises(WeightsBusyError):
+        await policy.pause("u2", PauseMode.WAIT)
+    assert (policy.state, policy.update_id) == (UpdateState.PAUSED, "u1")
+    await policy.rollback("u1")

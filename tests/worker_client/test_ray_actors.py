@@ -104,3 +104,47 @@ async def test_worker_group_loads_a_checkpoint_all_or_nothing(
         assert check_fidelity(export, HFEngine.load(checkpoint).score).max_abs_error <= 1e-4
     finally:
         await group.stop()
+
+
+async def test_an_actor_that_cannot_pause_leaves_no_other_actor_paused(
+    ray_cluster: Any, bare_proxy: RunningProxy, tiny_model_dir: Path
+) -> None:
+    """An update of the group while one actor is held by another update fails with
+    WeightsError naming that actor; the other actor is not left paused but serves on its
+    version, and the other update's pause is left to it."""
+    from worker_client.exceptions import WeightsError
+    from worker_client.ray_actors import WorkerActorGroup, _get
+
+    group = await WorkerActorGroup.start(
+        bare_proxy.worker_url,
+        backend="instant",
+        model=str(tiny_model_dir),
+        num_workers=2,
+        gpus_per_worker=0,
+        cpus_per_worker=0.5,
+        engine_options={"name": "tiny", "reply_tokens": 4},
+        within_seconds=120 * TIMEOUT_FACTOR,
+    )
+    try:
+        held = group.actors[1]
+        await _get(ray_cluster, held.pause.remote())  # another update holds this actor
+        with pytest.raises(WeightsError, match=f"{group.worker_ids[1]} could not pause"):
+            await group.update_weights(1)
+        free, busy = await group.status()
+        assert (free["state"], free["version"]) == ("serving", 0)
+        assert (busy["state"], busy["version"]) == ("paused", 0)
+        await _get(ray_cluster, held.rollback.remote())
+        assert await group.update_weights(1) == 1
+        assert [s["version"] for s in await group.status()] == [1, 1]
+        # The proxy hears of version 1 from each actor (and checks the other caught up).
+        async with ProxyClient(bare_proxy.url) as proxy:
+            for _ in range(int(200 * TIMEOUT_FACTOR)):
+                report = await proxy.weights()
+                workers = [(w["version"], w["state"]) for w in report["workers"]]
+                if workers == [(1, "serving")] * 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert (report["version"], workers) == (1, [(1, "serving")] * 2)
+        assert [s["state"] for s in await group.status()] == ["serving"] * 2
+    finally:
+        await group.stop()
