@@ -7,9 +7,11 @@ One ``aiohttp.ClientSession`` is reused for every call (connection pooling); cre
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,11 @@ from sdk.exceptions import (
     SessionNotFoundError,
 )
 from sdk.http import HttpClient
+
+# How long ``update_weights`` keeps asking by default: the proxy's worst case for one update
+# (three phases of its --weights-phase-seconds, 600 s by default: pause, load, commit or
+# rollback) and a minute for the answer to travel and a retry to join.
+UPDATE_SECONDS = 3 * 600.0 + 60.0
 
 _ERRORS: dict[int, type[ProxyRequestError]] = {
     401: ProxyAuthError,
@@ -122,7 +129,7 @@ class ProxyClient(HttpClient):
         try:
             async with self._session().request(method, url, **options) as response:
                 body = await response.read()
-                status, reason = response.status, response.reason
+                status, reason, headers = response.status, response.reason, response.headers
         except aiohttp.ClientConnectorError as exc:
             raise ProxyConnectionError(f"{method} {url}: {exc}", refused=True) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -138,11 +145,16 @@ class ProxyClient(HttpClient):
         if status >= 400:
             error = data.get("error", {}) if isinstance(data, dict) else {}
             cls = _ERRORS.get(status, ProxyRequestError)
+            should_retry = headers.get("x-should-retry")
+            retry_after = headers.get("Retry-After", "")
             raise cls(
                 status,
                 str(error.get("type", "error")),
                 error.get("code"),
                 str(error.get("message", reason)),
+                should_retry=None if should_retry is None else should_retry == "true",
+                retry_after=float(retry_after) if retry_after.isdigit() else None,
+                details={k: v for k, v in error.items() if k not in ("type", "code", "message")},
             )
         return data
 
@@ -205,22 +217,57 @@ class ProxyClient(HttpClient):
         return result
 
     async def update_weights(
-        self, version: int, path: str | None = None, mode: str = "wait"
+        self,
+        version: int,
+        path: str | None = None,
+        mode: str = "wait",
+        *,
+        within_seconds: float = UPDATE_SECONDS,
     ) -> dict[str, Any]:
         """Every connected worker serves ``version``, loaded from the Hugging Face model
         directory ``path`` (written by the trainer where the workers can read it; None:
         the trainer updated the engines itself and the version is only stamped). Returns
         once they all do. ``mode``: ``"wait"`` lets running replies finish on the old
-        weights first, ``"abort"`` stops them and continues them on the new weights. On
-        any error every worker still serves the previous version."""
+        weights first, ``"abort"`` stops them and continues them on the new weights.
+
+        The update runs on the proxy whoever waits for it, and the same update asked
+        again (version and path) is answered with its outcome, so this asks again, until
+        ``within_seconds`` have passed, when the connection drops and when the proxy says
+        to retry (503 with ``Retry-After``: another update runs, or a worker is in another
+        replica's update). The default covers the proxy's worst case with its default
+        ``--weights-phase-seconds`` (600: three phases); give at least three times that
+        flag plus a minute when it is larger.
+
+        Raises ``ProxyRequestError``: with ``commit_failed`` (502) the workers listed in
+        its ``details["workers"]`` could not commit and are out of service while the
+        others serve ``version``; on any other error every worker still serves the
+        previous version."""
         payload: dict[str, Any] = {"version": version, "mode": mode}
         if path is not None:
             payload["path"] = str(path)
-        # Loading a checkpoint on every worker takes longer than a session call.
-        result: dict[str, Any] = await self._request(
-            "POST", "/weights", payload, total_seconds=max(self._timeout.total or 0.0, 900.0)
-        )
-        return result
+        deadline = time.monotonic() + within_seconds
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                result: dict[str, Any] = await self._request(
+                    "POST", "/weights", payload, total_seconds=max(remaining, 1.0)
+                )
+                return result
+            except ProxyRequestError as exc:
+                if not exc.should_retry:
+                    raise
+                pause = exc.retry_after if exc.retry_after is not None else 1.0
+                if time.monotonic() + pause >= deadline:
+                    raise
+            except ProxyConnectionError:
+                # The connection dropped or was refused (a load balancer, a restarting
+                # proxy); the update goes on and asking again joins it.
+                pause = min(0.5 * 2**attempt, 8.0)
+                if time.monotonic() + pause >= deadline:
+                    raise
+            attempt += 1
+            await asyncio.sleep(pause)
 
     async def weights(self) -> dict[str, Any]:
         """The policy version the workers serve, and each worker's."""

@@ -25,12 +25,29 @@ class SdkError(Exception):
 
 
 class ProxyRequestError(SdkError):
-    def __init__(self, status: int, error_type: str, code: str | None, message: str) -> None:
+    """``should_retry``: the proxy's ``x-should-retry`` (None: it did not say);
+    ``retry_after``: its ``Retry-After`` in seconds; ``details``: the error object's other
+    fields (``workers`` for a weight update that failed on some)."""
+
+    def __init__(
+        self,
+        status: int,
+        error_type: str,
+        code: str | None,
+        message: str,
+        *,
+        should_retry: bool | None = None,
+        retry_after: float | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(f"{status} {error_type}: {message}")
         self.status = status
         self.error_type = error_type
         self.code = code
         self.message = message
+        self.should_retry = should_retry
+        self.retry_after = retry_after
+        self.details = details or {}
 
 
 class ProxyConnectionError(SdkError):

@@ -313,6 +313,8 @@ class RelayRollout:
         try:
             if accelerator.is_main_process:
                 path = self._save(trainer, step, state_dict)
+                # A 200 means every worker the update started with serves it: a worker
+                # that could not commit makes it an error (ProxyRequestError, raised here).
                 answer = self.loop.run(self.proxy.update_weights(step, path=str(path)))
                 served = int(answer["version"])
                 if served != step:

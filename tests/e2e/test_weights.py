@@ -10,10 +10,12 @@ reconnects loads the current checkpoint before it serves anything."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -418,9 +420,10 @@ async def paced(
 
 async def _stream_across_update(
     running: RunningProxy, mode: str
-) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+) -> tuple[str, str, dict[str, Any], dict[str, Any], bool]:
     """Stream one reply, asking for a stamp-only update once its first tokens are in;
-    returns (text received, finish reason, the update's answer, the export)."""
+    returns (text received, finish reason, the update's answer, the export, whether the
+    update had answered before the reply's last token arrived)."""
     async with ProxyClient(running.url) as client:
         current = await _served_version(client)
         trial = await client.create_session(sampling={"temperature": 1.0})
@@ -431,10 +434,12 @@ async def _stream_across_update(
             stream=True,
             seed=5,
         )
-        text, finish, update = "", "", None
+        text, finish, update, early = "", "", None, False
         async for chunk in stream:
             if not chunk.choices:
                 continue
+            # Checked as each token arrives, the last one included: had the update answered?
+            early = early or (update is not None and update.done())
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
             if update is None and len(text) > 10:
@@ -444,7 +449,7 @@ async def _stream_across_update(
         report = await update
         export = await client.trajectories(trial.trial_id)
         await client.complete(trial.trial_id)
-        return text, finish, report, export
+        return text, finish, report, export, early
 
 
 async def test_abort_update_continues_a_streamed_reply_on_the_new_version(
@@ -454,7 +459,7 @@ async def test_abort_update_continues_a_streamed_reply_on_the_new_version(
     version and continues the reply from the tokens already sampled: the agent gets one
     normal reply, the turn records exactly it, and its tokens carry both versions."""
     preempted = await _metric(paced.url, "relay_requests_preempted_total")
-    text, finish, report, export = await _stream_across_update(paced, "abort")
+    text, finish, report, export, _ = await _stream_across_update(paced, "abort")
     assert await _metric(paced.url, "relay_requests_preempted_total") == preempted + 1
     assert finish == "stop"
     (traj,) = export["trajectories"]
@@ -479,8 +484,10 @@ async def test_wait_update_lets_a_streamed_reply_finish_on_the_old_version(
     paced: RunningProxy,
 ) -> None:
     """A ``wait`` update asked in the middle of a stream returns only after the reply
-    finished, all of it on the old version; the next reply is on the new one."""
-    text, finish, report, export = await _stream_across_update(paced, "wait")
+    finished (it had not answered when the reply's last token arrived), all of the reply
+    on the old version; the next reply is on the new one."""
+    text, finish, report, export, early = await _stream_across_update(paced, "wait")
+    assert not early, "the update answered while the reply was still streaming"
     assert finish == "stop"
     assert text
     (traj,) = export["trajectories"]
@@ -491,3 +498,239 @@ async def test_wait_update_lets_a_streamed_reply_finish_on_the_old_version(
     async with ProxyClient(paced.url) as client:
         _, after = await _turns(client, n=1)
     assert _versions(after) == {report["version"]}
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@dataclass(slots=True)
+class Gates:
+    """What the in-process hf workers of ``gated`` do when asked to load weights: wait
+    for ``loading`` (a slow checkpoint read), counted in ``loads``; with ``commit_error``
+    their parameter swap raises it (a device error) before touching the weights."""
+
+    loading: asyncio.Event = field(default_factory=asyncio.Event)
+    loads: int = 0
+    commit_error: str | None = None
+
+
+GATED = ("g-1", "g-2")
+
+
+@pytest.fixture
+async def gated(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[RunningProxy, Gates]]:
+    """A proxy with two in-process hf workers on the tiny model whose loading waits for
+    the test (``Gates``)."""
+    from worker_client.client import ServedModel, WorkerClient
+
+    running = await start_proxy(
+        ProxyConfig(
+            port=0,
+            worker_wait_seconds=30 * TIMEOUT_FACTOR,
+            max_tokens=16,
+            cache_dir=tmp_path / "cache",
+            weights_phase_seconds=60 * TIMEOUT_FACTOR,
+        )
+    )
+    gates = Gates()
+    # Two engines read checkpoints in one process here (a worker process has one):
+    # transformers' from_pretrained, run in two threads at once, was seen to leave a tied
+    # parameter on the meta device, so the reads take turns.
+    reading = asyncio.Lock()
+    for worker_id in GATED:
+        engine = HFEngine.load(tiny_model_dir, name="tiny")
+        stage, apply = engine.stage_weights, engine._apply_checkpoint
+
+        async def slow_stage(path: str, stage: Any = stage) -> None:
+            gates.loads += 1
+            await gates.loading.wait()
+            async with reading:
+                await stage(path)
+
+        def failing_apply(tensors: Any, apply: Any = apply) -> None:
+            if gates.commit_error is not None:
+                raise RuntimeError(gates.commit_error)
+            apply(tensors)
+
+        monkeypatch.setattr(engine, "stage_weights", slow_stage)
+        monkeypatch.setattr(engine, "_apply_checkpoint", failing_apply)
+        client = WorkerClient(
+            running.worker_url,
+            {"tiny": ServedModel(engine, tiny_model_dir)},
+            worker_id=worker_id,
+        )
+        running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    await running.wait_for_workers(len(GATED), within_seconds=60 * TIMEOUT_FACTOR)
+    yield running, gates
+    gates.loading.set()
+    await running.stop()
+
+
+async def _post_weights(
+    url: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """POST /weights on a connection of its own: (status, body, headers)."""
+    limit = aiohttp.ClientTimeout(total=300 * TIMEOUT_FACTOR)
+    async with (
+        aiohttp.ClientSession(timeout=limit) as http,
+        http.post(f"{url}/weights", json=body) as response,
+    ):
+        return response.status, await response.json(), dict(response.headers)
+
+
+async def _until_updating(url: str, state: str) -> None:
+    """Until GET /weights says the running update is in ``state``."""
+    async with ProxyClient(url) as client:
+        for _ in range(int(1200 * TIMEOUT_FACTOR)):
+            updating = (await client.weights())["updating"]
+            if updating is not None and updating["state"] == state:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the update never was {state}")
+
+
+async def _until_settled(url: str, version: int, workers: int) -> dict[str, Any]:
+    """Until no update runs and ``workers`` workers serve ``version``; the report."""
+    async with ProxyClient(url) as client:
+        for _ in range(int(1200 * TIMEOUT_FACTOR)):
+            report = await client.weights()
+            states = [(w["version"], w["state"]) for w in report["workers"]]
+            if report["updating"] is None and states == [(version, "serving")] * workers:
+                return report
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the workers did not settle on version {version}: {report}")
+
+
+async def _hang_up(url: str, body: dict[str, Any], state: str) -> None:
+    """POST /weights and close the connection once the update is in ``state``, as a
+    trainer whose timeout fired (or whose connection a load balancer closed)."""
+    post = asyncio.create_task(_post_weights(url, body))
+    await _until_updating(url, state)
+    post.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await post
+
+
+async def _turn_at_once(url: str, *, seed: int) -> set[int]:
+    """A new trial's turn, which must be served within seconds (no worker left paused);
+    the versions that sampled it."""
+    async with ProxyClient(url) as client:
+        _, export = await asyncio.wait_for(_turns(client, n=1, seed=seed), 20 * TIMEOUT_FACTOR)
+    return _versions(export)
+
+
+async def test_a_trainer_hanging_up_during_a_wait_pause_leaves_no_worker_paused(
+    paced: RunningProxy,
+) -> None:
+    """A wait-mode POST /weights whose client goes away while the update waits for a
+    streaming reply: the reply finishes on the old version, the update commits anyway,
+    new turns are served at once on the new version, and the next update succeeds."""
+    async with ProxyClient(paced.url) as client:
+        current = await _served_version(client)
+        trial = await client.create_session(sampling={"temperature": 1.0})
+    agent = AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0)
+    stream = await agent.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        stream=True,
+        seed=11,
+    )
+    text, hung_up = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if hung_up is None and len(text) > 10:
+            hung_up = asyncio.create_task(
+                _hang_up(paced.url, {"version": current + 1, "mode": "wait"}, "pausing")
+            )
+    await agent.close()
+    assert hung_up is not None, "the reply was too short to be interrupted"
+    await hung_up
+    report = await _until_settled(paced.url, current + 1, 1)
+    assert report["version"] == current + 1
+    assert await _turn_at_once(paced.url, seed=12) == {current + 1}
+    async with ProxyClient(paced.url) as client:
+        assert (await client.update_weights(current + 2))["version"] == current + 2
+    assert await _turn_at_once(paced.url, seed=13) == {current + 2}
+
+
+async def test_a_trainer_hanging_up_while_workers_load_leaves_no_worker_paused(
+    gated: tuple[RunningProxy, Gates], checkpoints: list[Path], scorers: dict[Path, HFEngine]
+) -> None:
+    """A POST /weights whose client goes away while the workers read the checkpoint: the
+    update runs to its commit, both workers serve the checkpoint as the new version, new
+    turns are served at once on it, and the next update succeeds."""
+    running, gates = gated
+    body = {"version": 1, "path": str(checkpoints[0])}
+    await _hang_up(running.url, body, "loading")
+    gates.loading.set()
+    report = await _until_settled(running.url, 1, len(GATED))
+    assert report["path"] == str(checkpoints[0])
+    async with ProxyClient(running.url) as client:
+        _, export = await asyncio.wait_for(_turns(client, n=1, seed=51), 20 * TIMEOUT_FACTOR)
+        assert _versions(export) == {1}
+        assert check_fidelity(export, scorers[checkpoints[0]].score).max_abs_error <= 1e-4
+        assert (await client.update_weights(2, str(checkpoints[1])))["version"] == 2
+    assert await _turn_at_once(running.url, seed=52) == {2}
+
+
+async def test_a_retry_of_the_same_update_gets_its_outcome(
+    gated: tuple[RunningProxy, Gates], checkpoints: list[Path]
+) -> None:
+    """The same update asked again while it runs waits for it and gets its answer, asked
+    again after it finished gets the same answer, and the workers load the checkpoint
+    once; another update meanwhile is refused with a retryable 503."""
+    running, gates = gated
+    body = {"version": 1, "path": str(checkpoints[0])}
+    first = asyncio.create_task(_post_weights(running.url, body))
+    await _until_updating(running.url, "loading")
+    retry = asyncio.create_task(_post_weights(running.url, {**body, "mode": "abort"}))
+    status, other, headers = await _post_weights(
+        running.url, {"version": 2, "path": str(checkpoints[1])}
+    )
+    assert (status, other["error"]["code"]) == (503, "update_in_progress")
+    assert (headers["x-should-retry"], int(headers["Retry-After"]) > 0) == ("true", True)
+    assert not retry.done()
+    gates.loading.set()
+    (s1, answer, _), (s2, again, _) = await asyncio.gather(first, retry)
+    assert (s1, s2) == (200, 200)
+    assert answer == again
+    assert [(w["version"], w["state"]) for w in answer["workers"]] == [(1, "serving")] * 2
+    status, later, _ = await _post_weights(running.url, body)
+    assert (status, later) == (200, answer)
+    assert gates.loads == len(GATED)  # one load per worker: the retries ran nothing
+
+
+async def test_a_commit_failing_on_every_worker_moves_no_version(
+    gated: tuple[RunningProxy, Gates],
+    checkpoints: list[Path],
+    scorers: dict[Path, HFEngine],
+    tiny_model_dir: Path,
+) -> None:
+    """When no worker can swap the weights in, POST /weights answers 502 commit_failed
+    naming every worker (and says so again to a retry), the version served does not
+    move, and the workers, back after being taken out of service, serve the old weights
+    under the old version."""
+    running, gates = gated
+    gates.loading.set()
+    gates.commit_error = "CUDA error: an illegal memory access was encountered"
+    body = {"version": 1, "path": str(checkpoints[0])}
+    status, error, headers = await _post_weights(running.url, body)
+    assert (status, error["error"]["code"]) == (502, "commit_failed")
+    assert sorted(error["error"]["workers"]) == sorted(GATED)
+    assert headers["x-should-retry"] == "false"
+    assert (await _post_weights(running.url, body))[:2] == (status, error)
+    gates.commit_error = None
+    await running.wait_for_workers(len(GATED), within_seconds=60 * TIMEOUT_FACTOR)
+    report = await _until_settled(running.url, 0, len(GATED))
+    assert (report["version"], report["path"]) == (0, None)
+    async with ProxyClient(running.url) as client:
+        _, export = await asyncio.wait_for(_turns(client, n=1, seed=61), 20 * TIMEOUT_FACTOR)
+        assert _versions(export) == {0}
+        assert check_fidelity(export, scorers[tiny_model_dir].score).max_abs_error <= 1e-4
+        with pytest.raises(ProxyRequestError) as failed:
+            await client.update_weights(1, str(checkpoints[0]))
+        assert (failed.value.status, failed.value.code) == (502, "commit_failed")
+        assert (await client.update_weights(2, str(checkpoints[0])))["version"] == 2
