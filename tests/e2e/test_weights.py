@@ -734,3 +734,27 @@ async def test_a_commit_failing_on_every_worker_moves_no_version(
             await client.update_weights(1, str(checkpoints[0]))
         assert (failed.value.status, failed.value.code) == (502, "commit_failed")
         assert (await client.update_weights(2, str(checkpoints[0])))["version"] == 2
+
+
+async def test_the_sdk_asks_again_when_the_connection_drops(
+    gated: tuple[RunningProxy, Gates], checkpoints: list[Path]
+) -> None:
+    """ProxyClient.update_weights whose connection is cut while the workers load asks
+    again and gets the update's answer; the workers load the checkpoint once."""
+    from tests.e2e.link import Link
+
+    running, gates = gated
+    link = Link(int(running.url.rsplit(":", 1)[1]))
+    await link.start()
+    link.plans = ["before"]  # the first connection is cut once the request is in
+    try:
+        async with ProxyClient(f"http://127.0.0.1:{link.port}") as client:
+            update = asyncio.create_task(client.update_weights(1, str(checkpoints[0])))
+            await _until_updating(running.url, "loading")
+            gates.loading.set()
+            report = await asyncio.wait_for(update, 120 * TIMEOUT_FACTOR)
+        assert [(w["version"], w["state"]) for w in report["workers"]] == [(1, "serving")] * 2
+        assert gates.loads == len(GATED)
+        assert link.plans == []  # the cut connection was used
+    finally:
+        await link.stop()
