@@ -273,6 +273,7 @@ def test_weight_update_messages_round_trip() -> None:
     answers: list[protocol.WorkerMessage] = [
         protocol.UpdateAck("u1", protocol.UpdatePhase.LOADED, True, 3),
         protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED, False, 2, "no such file"),
+        protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED, False, 2, "busy", protocol.ACK_BUSY),
         protocol.Weights(3, "/ckpt/step-3"),
         protocol.Weights(4),
         hello,
@@ -495,3 +496,19 @@ def test_a_version_3_peer_neither_gets_nor_sends_images() -> None:
     with pytest.raises(IllegalTransitionError, match="protocol 4"):
         worker.receive(protocol.encode(protocol.Image(_SHA, b"png")))
     worker.receive(proxy.generate(_generate_with_images()))
+
+
+def test_an_ack_without_a_code_decodes_as_one_with_an_empty_code() -> None:
+    """An UpdateAck from a worker that predates ``code`` decodes with an empty code, and
+    one with a code decodes on a peer that ignores it: the field changes no version."""
+    old = msgspec.msgpack.encode({"type": "update_ack", "update_id": "u1", "phase": "paused"})
+    back = protocol.decode_worker_message(old)
+    assert isinstance(back, protocol.UpdateAck)
+    assert back.code == ""
+
+    class OldAck(msgspec.Struct, frozen=True, tag="update_ack"):
+        update_id: str
+        phase: str
+
+    new = protocol.encode(protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED, code="busy"))
+    assert msgspec.msgpack.decode(new, type=OldAck) == OldAck("u1", "paused")
