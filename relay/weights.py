@@ -266,6 +266,7 @@ class WeightSync:
         self.pool.hold()
         task = asyncio.get_running_loop().create_task(self._own(update))
         task.add_done_callback(_observed)
+        task.add_done_callback(lambda _: self._let_go(update))
         self._task = task
         return await asyncio.shield(task)
 
@@ -296,6 +297,12 @@ class WeightSync:
             self._last = None if exc.retryable else Outcome(update.key, None, exc)
             raise
         finally:
+            self._let_go(update)
+
+    def _let_go(self, update: WeightsUpdate) -> None:
+        """The update is over: release the pool, once (also for a task cancelled before
+        it ran, whose ``finally`` never did)."""
+        if self.current is update:
             self.current = None
             self.pool.release()
 

@@ -657,3 +657,19 @@ async def test_the_pool_version_never_moves_backwards() -> None:
     await _until(lambda: a.version == 5, "the updated worker caught up")
     assert link_a.phases()[-3:] == ["Pause", "Load(5, /ckpt/5)", "Commit"]
     assert pool.version == 5
+
+
+async def test_an_update_stopped_before_it_ran_releases_the_pool() -> None:
+    """An update whose task is stopped before it ever ran (the proxy shuts down at once)
+    still lets the pool go: requests are dispatched again and a new update may start."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    _, link = await _add(pool, "a")
+    caller = asyncio.create_task(sync.update(1, "/ckpt/1"))
+    await asyncio.sleep(0)  # the caller started the update's task, which has not run
+    assert sync.current is not None
+    await sync.close()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert (sync.current, pool.held, link.sent) == (None, 0, [])
+    assert (await sync.update(1, "/ckpt/1"))["version"] == 1
