@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +35,32 @@ def tiny_model_dir() -> Path:
     if not (path / "model.safetensors").is_file():
         tiny_model.write_tiny_model(path, seed=TINY_MODEL_SEED)
     return path
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch intra-op thread for the test: on the two shared cores two threads run the
+    tiny models several times slower (OpenMP spin-waits), and a trainer and a worker in one
+    process share the threads (as `rollout-relay train` does)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> Any:
+    """The shipped tiny mixture-of-experts model, loaded (``tests.moe``)."""
+    from tests.moe import load_moe
+
+    return load_moe()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_prompt() -> Any:
+    """A chat prompt for the tiny MoE model, as a ``[1, length]`` tensor."""
+    from tests.moe import chat_prompt
+
+    return chat_prompt()

@@ -456,8 +456,7 @@ def random_model(
     train: Callable[[Any], None] | None = None,
 ) -> Any:
     """A two-layer ``LlamaForCausalLM`` with seeded random weights (then ``train``-ed)."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -473,13 +472,33 @@ def random_model(
         eos_token_id=eos_ids[0],
         pad_token_id=pad_id,
     )
+    return seeded_model(
+        LlamaForCausalLM, config, seed=seed, eos_ids=eos_ids, pad_id=pad_id, shape=train
+    )
+
+
+def seeded_model(
+    model_class: Any,
+    config: Any,
+    *,
+    seed: int,
+    eos_ids: list[int],
+    pad_id: int,
+    shape: Callable[[Any], None] | None = None,
+) -> Any:
+    """``model_class(config)`` with weights random from ``seed``, then ``shape``-d (trained,
+    or rescaled), on one torch thread (the same float reductions on every machine), with a
+    generation config that stops at ``eos_ids``."""
+    import torch
+    from transformers import GenerationConfig
+
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions on every machine
+    torch.set_num_threads(1)
     try:
-        model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
-        if train is not None:
-            train(model)
+        model = model_class(config).float()
+        if shape is not None:
+            shape(model)
     finally:
         torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]

@@ -18,7 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from worker_client.tiny_model import CONTEXT_WINDOW, SHIPPED_TINY_MODEL, save_atomically
+from worker_client.tiny_model import (
+    CONTEXT_WINDOW,
+    SHIPPED_TINY_MODEL,
+    save_atomically,
+    seeded_model,
+)
 
 # The model the project ships (package data; about 1.6 MB).
 SHIPPED_TINY_MOE = Path(__file__).resolve().parent / "assets" / "tiny-moe"
@@ -36,8 +41,7 @@ EMBEDDING_SCALE = 4.0
 
 def write_tiny_moe(out_dir: Path, *, seed: int = 0) -> Path:
     """Write the tiny MoE model to ``out_dir`` (replacing it atomically); return the path."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tokenizer: Any = AutoTokenizer.from_pretrained(SHIPPED_TINY_MODEL)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -63,20 +67,18 @@ def write_tiny_moe(out_dir: Path, *, seed: int = 0) -> Path:
         eos_token_id=end,
         pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions on every machine
-    try:
-        model = Qwen3MoeForCausalLM(config).float()  # type: ignore[no-untyped-call]
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.gate.weight.mul_(ROUTER_SCALE)
-                for weight in layer.mlp.experts.parameters():
-                    weight.mul_(EXPERT_SCALE)
-            model.model.embed_tokens.weight.mul_(EMBEDDING_SCALE)
-    finally:
-        torch.set_num_threads(threads)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        eos_token_id=[end, pad], pad_token_id=pad, bos_token_id=None
+    model = seeded_model(
+        Qwen3MoeForCausalLM, config, seed=seed, eos_ids=[end, pad], pad_id=pad, shape=_scale
     )
     return save_atomically(out_dir, model, tokenizer)
+
+
+def _scale(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(ROUTER_SCALE)
+            for weight in layer.mlp.experts.parameters():
+                weight.mul_(EXPERT_SCALE)
+        model.model.embed_tokens.weight.mul_(EMBEDDING_SCALE)

@@ -29,7 +29,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker_client.tiny_model import CONTEXT_WINDOW, SHIPPED_TINY_MODEL, save_atomically
+from worker_client.tiny_model import (
+    CONTEXT_WINDOW,
+    SHIPPED_TINY_MODEL,
+    save_atomically,
+    seeded_model,
+)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # The model the project ships (package data; about 2.2 MB).
@@ -80,8 +85,7 @@ def tiny_vlm_tokenizer() -> Any:
 
 def write_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
     """Write the tiny VLM to ``out_dir`` (replacing it atomically) and return the path."""
-    import torch
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tokenizer = tiny_vlm_tokenizer()
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKENS}
@@ -126,15 +130,8 @@ def write_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
         vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions on every machine
-    try:
-        model = Qwen3VLForConditionalGeneration(config).float()  # type: ignore[no-untyped-call]
-    finally:
-        torch.set_num_threads(threads)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        eos_token_id=[end, pad], pad_token_id=pad, bos_token_id=None
+    model = seeded_model(
+        Qwen3VLForConditionalGeneration, config, seed=seed, eos_ids=[end, pad], pad_id=pad
     )
     processor = json.dumps(image_processor_config(), indent=2) + "\n"
     return save_atomically(out_dir, model, tokenizer, files={"preprocessor_config.json": processor})

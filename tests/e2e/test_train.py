@@ -4,7 +4,6 @@ every step; every step is on-policy and every token carries the step that sample
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,6 @@ pytestmark = pytest.mark.e2e
 ADMIN = "admin-secret"
 WORKER = "worker-secret"
 STEPS = 3
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    """The trainer and the worker share this process's torch; one intra-op thread keeps
-    OpenMP from spin-waiting against the other on shared cores (as `rollout-relay train`)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_short_training_run_is_on_policy_at_every_step(

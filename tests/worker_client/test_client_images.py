@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from proxy.appkeys import POOL
@@ -24,13 +23,7 @@ from worker_client.client import ServedModel, WorkerClient
 from worker_client.engine import ImageSpan
 from worker_client.tiny_vlm import SHIPPED_TINY_VLM
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ teacher forcing routes to on every (token, layer), and a dense model has no rout
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,28 +15,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollout_relay.cli import main
-from tests.moe import chat_prompt, generate, load_moe
+from tests.moe import generate
 from worker_client.exceptions import EngineError
 from worker_client.routing import RoutingCapture, find_routers, routing_shape
 from worker_client.tiny_moe import EXPERTS, LAYERS, SHIPPED_TINY_MOE, TOP_K, write_tiny_moe
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def moe() -> Any:
-    return load_moe()
-
-
-@pytest.fixture(scope="module")
-def prompt() -> torch.Tensor:
-    return chat_prompt()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_shipped_moe_is_the_generators_output(tmp_path: Path) -> None:
@@ -62,12 +45,12 @@ def test_the_shipped_moe_is_the_generators_output(tmp_path: Path) -> None:
     assert all(torch.equal(shipped[k], generated[k]) for k in shipped)
 
 
-def test_its_routers_are_found_in_layer_order(moe: Any, tiny_model_dir: Path) -> None:
+def test_its_routers_are_found_in_layer_order(tiny_moe: Any, tiny_model_dir: Path) -> None:
     """Each MoE layer's router is found, in order, with its experts per token; a dense
     model has none, and capturing it is refused."""
-    routers = find_routers(moe)
-    assert routers == [layer.mlp.gate for layer in moe.model.layers]
-    shape = routing_shape(moe)
+    routers = find_routers(tiny_moe)
+    assert routers == [layer.mlp.gate for layer in tiny_moe.model.layers]
+    shape = routing_shape(tiny_moe)
     assert shape is not None
     assert (shape.layers, shape.top_k, shape.experts) == (LAYERS, TOP_K, EXPERTS)
     assert shape.dtype == np.uint8
@@ -79,20 +62,20 @@ def test_its_routers_are_found_in_layer_order(moe: Any, tiny_model_dir: Path) ->
 
 
 def test_routing_captured_in_generation_equals_teacher_forcing(
-    moe: Any, prompt: torch.Tensor
+    tiny_moe: Any, tiny_moe_prompt: torch.Tensor
 ) -> None:
     """The experts captured while the model generates (prefill, then one sampled token per
     step) are the ones a teacher-forced forward of the same tokens routes to, on every
     position run forward (all but the last sampled token) and every layer."""
-    with RoutingCapture(moe) as during:
-        sampled, _ = generate(moe, prompt)
+    with RoutingCapture(tiny_moe) as during:
+        sampled, _ = generate(tiny_moe, tiny_moe_prompt)
     rows = during.rows()
-    length = prompt.shape[1] + len(sampled) - 1
+    length = tiny_moe_prompt.shape[1] + len(sampled) - 1
     assert rows.shape == (length, LAYERS, TOP_K)
     assert rows.dtype == np.uint8
-    full = torch.cat([prompt[0], sampled])[None, :-1]
-    with RoutingCapture(moe) as forced, torch.no_grad():
-        moe(input_ids=full)
+    full = torch.cat([tiny_moe_prompt[0], sampled])[None, :-1]
+    with RoutingCapture(tiny_moe) as forced, torch.no_grad():
+        tiny_moe(input_ids=full)
     assert np.array_equal(rows, forced.rows())
     # The routers do route: tokens spread over the experts.
     assert len(np.unique(rows)) > EXPERTS // 2

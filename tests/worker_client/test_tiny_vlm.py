@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,7 @@ from worker_client.tiny_vlm import IMAGE_PAD, SHIPPED_TINY_VLM, write_tiny_vlm
 SHIPPED = SHIPPED_TINY_VLM
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on two shared cores run several times slower
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

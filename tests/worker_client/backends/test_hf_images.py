@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,7 @@ from worker_client.engine import ImageSpan, SamplingParams
 from worker_client.exceptions import EngineError
 from worker_client.tiny_vlm import IMAGE_PAD, SHIPPED_TINY_VLM
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on two shared cores run several times slower
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
