@@ -28,7 +28,7 @@ from rollout_relay.embedded import RunningProxy
 from tests.scripted_policy import ScriptedEngine
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
-from worker_client.engine import FinishReason, ImageSpan, SamplingParams, TokenChunk
+from worker_client.engine import FinishReason, SamplingParams, TokenChunk
 
 # Seconds between two tokens: enough that each engine step leaves as a frame of its own.
 STEP_SECONDS = 0.002
@@ -78,14 +78,10 @@ class PacedScriptedEngine(ScriptedEngine):
         self.delay = delay
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams,
-        images: Sequence[ImageSpan] = (),
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> AsyncGenerator[TokenChunk, None]:
         self._aborted.discard(request_id)
-        async for chunk in super().generate(request_id, prompt_ids, sampling, images):
+        async for chunk in super().generate(request_id, prompt_ids, sampling):
             if not chunk.token_ids:
                 yield chunk
                 continue
