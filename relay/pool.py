@@ -91,6 +91,9 @@ class WorkerHandle:
         default_factory=dict
     )
     images: ImageLedger = field(default_factory=ImageLedger)  # the images it holds
+    # A request's drops, images and Generate go out together: another request's frames in
+    # between could drop an image it is about to use.
+    image_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __repr__(self) -> str:
         return (
@@ -785,9 +788,13 @@ class WorkerPool:
                 self._pump()
                 raise RequestCancelledError(call.request_id)
             try:
-                for frame in call.image_frames(handle):
-                    await handle.link.send(frame)
-                await handle.link.send(handle.endpoint.generate(call.generate_message()))
+                if call.images:
+                    async with handle.image_lock:
+                        for frame in call.image_frames(handle):
+                            await handle.link.send(frame)
+                        await handle.link.send(handle.endpoint.generate(call.generate_message()))
+                else:
+                    await handle.link.send(handle.endpoint.generate(call.generate_message()))
             except (ConnectionError, ProtocolError, RuntimeError) as exc:
                 handle.in_flight.discard(call.request_id)
                 call.state = RequestState.QUEUED

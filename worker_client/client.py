@@ -337,11 +337,7 @@ class WorkerClient:
         """Stream one request's tokens; returns once its Done is queued."""
         # aclosing: however this ends, the engine's generator is finalized now (an engine
         # may hold a lock across its yields), not whenever it is collected.
-        stream = (
-            served.engine.generate(rid, prompt, sampling, images)
-            if images
-            else served.engine.generate(rid, prompt, sampling)
-        )
+        stream = served.engine.generate(rid, prompt, sampling, images)
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 if chunk.finish_reason is None:

@@ -3,6 +3,8 @@ I/O; and the pool sending each image once per worker, before the request that ne
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from relay import protocol
@@ -116,3 +118,38 @@ async def test_no_image_worker_means_no_worker_available() -> None:
         await pool.start(
             "vlm", list(range(12)), protocol.Sampling(max_tokens=2), images=[_image("a", 2, 6)]
         )
+
+
+class YieldingLink(RecordingLink):
+    """A link whose send lets other tasks run, as a socket's write may."""
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.sleep(0)
+        await super().send(data)
+
+
+async def test_requests_sent_together_never_use_an_image_the_worker_lacks() -> None:
+    """Two image requests dispatched at once to one worker, with a budget that makes the
+    second drop the first's images: the frames the worker gets, replayed through its own
+    endpoint, never name an image it does not hold (each request's images, drops and
+    request go out together)."""
+    pool = WorkerPool(wait_seconds=1)
+    link = YieldingLink()
+    endpoint = protocol.ProxyEndpoint()
+    endpoint.state = protocol.ConnectionState.OPEN
+    info = protocol.ModelInfo("vlm", 1024, "raw", "hf", {}, image_token_id=9)
+    handle = WorkerHandle(WorkerId("w"), link, endpoint, {"vlm": info}, 4)
+    handle.images = ImageLedger(budget_bytes=80)
+    await pool.add_worker(handle)
+    sampling = protocol.Sampling(max_tokens=2)
+    await asyncio.gather(
+        pool.start(
+            "vlm", list(range(20)), sampling, images=[_image("a", 2, 6), _image("b", 8, 12)]
+        ),
+        pool.start("vlm", list(range(20)), sampling, images=[_image("c", 2, 6)]),
+    )
+    worker = protocol.WorkerEndpoint()
+    worker.state = protocol.ConnectionState.OPEN
+    for message in link.sent:
+        worker.receive(protocol.encode(message))  # raises on an image it does not hold
+    assert sum(isinstance(m, protocol.Generate) for m in link.sent) == 2
