@@ -442,6 +442,16 @@ async def test_the_sdk_falls_back_to_its_replica_when_an_owner_is_out_of_reach(
         assert (await client.trajectories(trial_id))["reward"] == 1.0
 
 
+async def _until_version(client: ProxyClient, version: int) -> None:
+    """Wait until the replica behind ``client`` reports ``version`` (the worker tells each
+    replica on its own connection: the other replica hears it a moment after the answer)."""
+    for _ in range(int(100 * TIMEOUT_FACTOR)):
+        if (await client.weights())["version"] >= version:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the replica never reported version {version}")
+
+
 async def test_an_update_through_any_replica_reaches_every_worker(
     replicas: tuple[Replica, Replica],
     first_worker: WorkerFleet,
@@ -449,8 +459,9 @@ async def test_an_update_through_any_replica_reaches_every_worker(
     tmp_path: Path,
 ) -> None:
     """POST /weights through one replica loads the checkpoint on the worker every replica
-    shares; the other replica then reports the same version at once, and its trials'
-    turns are sampled by the new weights."""
+    shares; the replica asked reports the new version at once, the other as soon as the
+    worker's notice reaches it on its own connection, and its trials' turns are sampled by
+    the new weights."""
     from sdk.fidelity import check_fidelity
     from tests.e2e.test_weights import write_checkpoint
 
@@ -460,6 +471,7 @@ async def test_an_update_through_any_replica_reaches_every_worker(
         version = (await via_b.weights())["version"] + 1
         report = await via_b.update_weights(version, str(checkpoint))
         assert report["version"] == version
+        await _until_version(via_a, version)
         for client in (via_a, via_b):
             seen = await client.weights()
             assert (seen["version"], seen["path"]) == (version, str(checkpoint))
