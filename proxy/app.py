@@ -8,14 +8,16 @@ from proxy.api import sessions, ui, weights
 from proxy.api.anthropic import routes as anthropic_routes
 from proxy.api.auth import auth_middleware
 from proxy.api.errors import error_middleware, json_response
+from proxy.api.images import ImageSources
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
-from proxy.appkeys import CONFIG, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
+from proxy.appkeys import CONFIG, IMAGES, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
 from proxy.chat import history
 from proxy.cluster import forward_middleware, setup_cluster
 from proxy.coalesce import CoalesceMode, StreamCoalescer
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
+from proxy.images import ImageChecker, ImageFetcher, ImageLimits
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
 from proxy.limits import Limits
 from proxy.models import ModelRegistry
@@ -87,6 +89,17 @@ def build_app(config: ProxyConfig) -> web.Application:
         max_sessions=config.max_sessions,
     )
     history.BUDGET.limit = config.history_memory_mb * 2**20
+    checker = ImageChecker(
+        ImageLimits(
+            max_bytes=config.max_image_bytes,
+            max_pixels=config.max_image_pixels,
+            max_images=config.max_images,
+        )
+    )
+    app[IMAGES] = ImageSources(
+        checker,
+        ImageFetcher(config.image_url_allow, checker, timeout_seconds=config.image_fetch_seconds),
+    )
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
     metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]), coalescer)
     app[SERVICE].metrics = metrics

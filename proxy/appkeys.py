@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.api.images import ImageSources
 from proxy.config import ProxyConfig
 from proxy.models import ModelRegistry
 from proxy.service import TurnService
@@ -17,3 +18,4 @@ MODELS = web.AppKey("models", ModelRegistry)
 SESSIONS = web.AppKey("sessions", SessionRegistry)
 SERVICE = web.AppKey("service", TurnService)
 WEIGHTS = web.AppKey("weights", WeightSync)
+IMAGES = web.AppKey("images", ImageSources)

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.coalesce import CoalesceMode
+from proxy.images import ImageLimits
+
+_IMAGES = ImageLimits()  # the defaults
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +40,13 @@ class ProxyConfig:
     # lately sent, which let a turn parse and hash only its new messages.
     history_memory_mb: int = 512
     tool_parser: str | None = None
+    # Images (proxy.images): the hosts http(s) image URLs may be fetched from (none: only
+    # base64 images are taken), and what one image and one request may hold (0: no limit).
+    image_url_allow: tuple[str, ...] = ()
+    image_fetch_seconds: float = 10.0
+    max_image_bytes: int = _IMAGES.max_bytes
+    max_image_pixels: int = _IMAGES.max_pixels
+    max_images: int = _IMAGES.max_images
     # Tokens per streamed event at least (the first event goes out at once and the last
     # takes what is left): 1 streams every engine step; more trades how often an agent
     # hears from a stream for less proxy CPU per token.

@@ -37,14 +37,17 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
+from proxy.chat.messages import ImagePart
 from proxy.exceptions import ImageError
 
 __all__ = [
     "ImageChecker",
     "ImageData",
     "ImageFetcher",
+    "ImageIntake",
     "ImageLimits",
     "MediaType",
+    "RemoteImageNeeded",
     "parse_data_url",
 ]
 
@@ -271,3 +274,55 @@ def _shown(url: URL) -> str:
     """A URL as errors show it: no credentials, no query (they may carry tokens)."""
     bare = url.with_query(None).with_fragment(None)
     return str(bare.with_user(None) if bare.host else bare)
+
+
+class RemoteImageNeeded(Exception):
+    """Raised while a request's messages are converted, for an ``http(s)`` image URL not
+    fetched yet: conversion is synchronous, so the caller fetches it (``ImageFetcher``)
+    and converts again with the image at hand."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+class ImageIntake:
+    """One request's images, taken as its messages are converted: each image part becomes
+    an ``ImagePart`` (the message's reference, by hash) and its bytes land in ``images``,
+    checked. ``fetched`` holds the request's remote images already fetched, by URL."""
+
+    def __init__(self, checker: ImageChecker) -> None:
+        self.checker = checker
+        self.images: dict[str, ImageData] = {}
+        self.fetched: dict[str, ImageData] = {}
+
+    def __repr__(self) -> str:
+        return f"<ImageIntake {len(self.images)} images>"
+
+    def url(self, url: str) -> ImagePart:
+        """An image given by URL: a ``data:`` URL, or an ``http(s)`` URL (fetched by the
+        caller, see ``RemoteImageNeeded``)."""
+        text = url.strip()
+        scheme = text.partition(":")[0].lower()
+        if scheme == "data":
+            return self.bytes(parse_data_url(text)[1])
+        if scheme in ("http", "https"):
+            fetched = self.fetched.get(text)
+            if fetched is None:
+                raise RemoteImageNeeded(text)
+            return self._took(fetched)
+        raise ImageError(
+            f"an image URL must be a data: URL (or an http(s) URL the operator allowed), "
+            f"not {scheme or 'empty'!r}"
+        )
+
+    def base64(self, payload: str) -> ImagePart:
+        """An image given as base64 text (Anthropic's ``base64`` source)."""
+        return self.bytes(decode_base64(payload))
+
+    def bytes(self, data: bytes) -> ImagePart:
+        return self._took(self.checker.check(data))
+
+    def _took(self, image: ImageData) -> ImagePart:
+        self.images[image.sha256] = image
+        return ImagePart(image.sha256, image.media_type.value, image.width, image.height)

@@ -13,8 +13,8 @@ import logging
 import operator
 import time
 from array import array
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from proxy.chat.detokenizer import IncrementalDetokenizer
@@ -38,6 +38,7 @@ from proxy.exceptions import (
     UpstreamError,
 )
 from proxy.ids import new_id
+from proxy.images import ImageData
 from proxy.limits import Limits, check_message_count, session_token_room
 from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
@@ -92,6 +93,9 @@ class TurnRequest:
     prompt_ids: tuple[int, ...] | None = None
     # How the request's attempts are told apart (None: it is never treated as a retry).
     marks: RetryMarks | None = None
+    # The bytes of the images the messages name that this request brought, by sha256
+    # (the others the session holds already).
+    images: Mapping[str, ImageData] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

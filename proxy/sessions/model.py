@@ -30,6 +30,7 @@ import msgspec
 
 from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
+from proxy.images import ImageData
 from proxy.sessions.options import SessionOptions
 
 TrialId = NewType("TrialId", str)
@@ -185,6 +186,9 @@ class Session:
     by_request: dict[str, int] = field(default_factory=dict)
     # Tokens the session stores: every turn's context and sampled tokens.
     stored_tokens: int = 0
+    # The images its turns' prompts hold, by the sha256 of their bytes: each stored once,
+    # however many turns' histories repeat it.
+    images: dict[str, ImageData] = field(default_factory=dict)
     # Caches that keep a turn's cost to what it adds (in memory only, rebuilt on a miss,
     # dropped when the session stops taking requests): the histories lately sent, and
     # the whole context that ends with one turn (the turn the next request most likely

@@ -1,0 +1,64 @@
+"""Taking a request's images while its messages are converted (every agent API alike).
+
+Conversion is synchronous and reuses what the session's history memory converted before;
+this loop around it fetches the remote images conversion asks for, counts the request's
+images, and makes sure the bytes of every image the messages name are at hand: taken by
+this request, or recorded by an earlier turn of the session. A message the memory kept
+from a request that was refused before its turn was recorded names an image whose bytes
+were never kept; the memory is then forgotten and the body converted whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from proxy.chat.messages import ChatMessage
+from proxy.exceptions import ImageError
+from proxy.images import ImageChecker, ImageData, ImageFetcher, ImageIntake, RemoteImageNeeded
+from proxy.sessions.model import Session
+
+__all__ = ["ImageSources", "take_images"]
+
+F = TypeVar("F")
+
+
+@dataclass(slots=True, frozen=True)
+class ImageSources:
+    """How a proxy takes images: its limits, and the hosts it may fetch from."""
+
+    checker: ImageChecker
+    fetcher: ImageFetcher
+
+
+async def take_images(
+    sources: ImageSources,
+    session: Session,
+    parse: Callable[[ImageIntake], tuple[F, list[ChatMessage]]],
+) -> tuple[F, list[ChatMessage], dict[str, ImageData]]:
+    """``parse(intake)`` run until every image it names is at hand: the request's fields,
+    its internal messages, and the images it brought. Raises ``ImageError`` for an image
+    refused, fetched from a host not allowed, or one too many."""
+    intake = ImageIntake(sources.checker)
+    limit = sources.checker.limits.max_images
+    forgot = False
+    while True:
+        try:
+            fields, messages = parse(intake)
+        except RemoteImageNeeded as need:
+            if limit and len(intake.fetched) >= limit:
+                sources.checker.check_count(len(intake.fetched) + 1)
+            intake.fetched[need.url] = await sources.fetcher.fetch(need.url)
+            continue
+        named = [image for message in messages for image in message.images]
+        if not named:
+            return fields, messages, {}
+        sources.checker.check_count(len(named))
+        held = session.images
+        if all(i.sha256 in intake.images or i.sha256 in held for i in named):
+            return fields, messages, intake.images
+        if forgot:  # pragma: no cover - a whole conversion takes every image it names
+            raise ImageError("an image of the request could not be read again")
+        session.history.forget()
+        forgot = True
