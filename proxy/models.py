@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.chat.renderer import ChatRenderer
+from proxy.chat.vision import VisionTokens
 from proxy.chat.template_check import (
     ShapeResult,
     ToolsResult,
@@ -42,6 +43,9 @@ class ServedModel:
     template_check: tuple[ShapeResult, ...] = ()
     # Whether the agents' tools reach the model, and how.
     tools_check: ToolsResult | None = None
+    # A vision-language model's image placeholder and processor (None: a text model,
+    # which refuses images).
+    vision: VisionTokens | None = None
 
 
 def tokenizer_digest(files: dict[str, bytes]) -> str:
@@ -83,8 +87,8 @@ class ModelRegistry:
                     )
                 continue
             try:
-                renderer, checked = await asyncio.to_thread(
-                    self._load, digest, info.tokenizer_files
+                renderer, checked, vision = await asyncio.to_thread(
+                    self._load, digest, info.tokenizer_files, info.image_token_id
                 )
             except ProxyError as exc:
                 raise AdmissionRefused(f"model {info.name!r}: {exc.message}") from None
@@ -94,7 +98,7 @@ class ModelRegistry:
                 ) from None
             tools = check_tools(renderer)
             self.models[info.name] = ServedModel(
-                info.name, digest, info.max_model_len, renderer, tuple(checked), tools
+                info.name, digest, info.max_model_len, renderer, tuple(checked), tools, vision
             )
             broken = any(r.result != "continued" for r in checked) or tools.result == "refused"
             log.log(
@@ -105,7 +109,9 @@ class ModelRegistry:
                 summary_line(checked, tools),
             )
 
-    def _load(self, digest: str, files: dict[str, bytes]) -> tuple[ChatRenderer, list[ShapeResult]]:
+    def _load(
+        self, digest: str, files: dict[str, bytes], image_token_id: int | None
+    ) -> tuple[ChatRenderer, list[ShapeResult], VisionTokens | None]:
         target = self.cache_dir / "tokenizers" / digest
         if not target.is_dir():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +125,14 @@ class ModelRegistry:
             except OSError:  # another loader won the race
                 pass
         renderer = ChatRenderer.from_directory(target, tool_parser=self.tool_parser)
-        return renderer, check_template(renderer)
+        vision = None
+        if image_token_id is not None:
+            vision = VisionTokens.from_directory(target, renderer.tokenizer, pad_id=image_token_id)
+            if vision is None:
+                raise ValueError(
+                    "the worker announced an image token but sent no preprocessor_config.json"
+                )
+        return renderer, check_template(renderer), vision
 
     def resolve(self, requested: str, session_model: str | None, served: set[str]) -> ServedModel:
         """Map the model name an agent sent to a served model.

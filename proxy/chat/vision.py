@@ -35,16 +35,20 @@ class VisionTokens:
         return f"<VisionTokens pad={self.pad_id} {type(self.image_processor).__name__}>"
 
     @classmethod
-    def from_directory(cls, path: str | Path, tokenizer: Any) -> VisionTokens | None:
+    def from_directory(
+        cls, path: str | Path, tokenizer: Any, *, pad_id: int | None = None
+    ) -> VisionTokens | None:
         """The model's image processor and placeholder, when ``path`` holds a
         vision-language model's files (``preprocessor_config.json``, and the placeholder's
-        id in ``config.json``); None for a text model."""
+        id: ``pad_id`` as the worker announced it, else from ``config.json``); None for a
+        text model."""
         root = Path(path)
         if not (root / "preprocessor_config.json").is_file():
             return None
         from transformers import AutoImageProcessor
 
-        pad_id = _pad_id(root, tokenizer)
+        if pad_id is None:
+            pad_id = _pad_id(root, tokenizer)
         processor = AutoImageProcessor.from_pretrained(str(root), local_files_only=True)  # type: ignore[no-untyped-call]
         return cls(processor, pad_id)
 
