@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.chat.renderer import ChatRenderer
-from proxy.chat.vision import VisionTokens
 from proxy.chat.template_check import (
     ShapeResult,
     ToolsResult,
@@ -26,6 +25,7 @@ from proxy.chat.template_check import (
     check_tools,
     summary_line,
 )
+from proxy.chat.vision import VisionTokens
 from proxy.exceptions import NotFoundError, ProxyError
 from relay import protocol
 from relay.endpoint import AdmissionRefused

@@ -31,6 +31,7 @@ from proxy.chat.stops import StopMatcher
 from proxy.coalesce import StreamCoalescer
 from proxy.exceptions import (
     ContextLengthError,
+    ImageError,
     ProxyError,
     ServiceUnavailableError,
     StorageError,
@@ -44,7 +45,14 @@ from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import locate, plan_raw_prompt, plan_turn, raw_prompt_key
-from proxy.sessions.model import PromptPlan, Session, SessionState, TurnMeta, TurnNode
+from proxy.sessions.model import (
+    PlacedImage,
+    PromptPlan,
+    Session,
+    SessionState,
+    TurnMeta,
+    TurnNode,
+)
 from proxy.sessions.options import CapFinish
 from proxy.sessions.retries import RetryAction, RetryMarks, decide
 from proxy.sessions.store import SessionStore
@@ -63,6 +71,7 @@ from relay.exceptions import (
     RelayError,
     WorkerFailedError,
 )
+from relay.images import PromptImage
 from relay.pool import (
     Delivery,
     FinishedEvent,
@@ -245,13 +254,20 @@ class TurnService:
             plan = plan_raw_prompt(session, request.prompt_ids)
         else:
             messages, tools = request.messages, request.tools
+            if served.vision is None and request.images:
+                raise ImageError(
+                    f"model {served.name!r} takes no images (it has no vision encoder); "
+                    "send text only, or serve a vision-language model",
+                    code="images_unsupported",
+                )
             located = locate(session, messages, tools)
+            vision = served.vision
             if _large(messages[located.rendered(session) :]):
                 plan = await asyncio.to_thread(
-                    plan_turn, session, renderer, messages, tools, located
+                    plan_turn, session, renderer, messages, tools, located, vision
                 )
             else:
-                plan = plan_turn(session, renderer, messages, tools, located)
+                plan = plan_turn(session, renderer, messages, tools, located, vision)
         room = session_token_room(self.limits, session.stored_tokens, len(plan.context_ids))
         sampling = resolve_sampling(
             request.sampling,
@@ -290,7 +306,11 @@ class TurnService:
         started = time.perf_counter()
         try:
             call = await self.pool.start(
-                served.name, plan.prompt_ids, sampling, affinity=session.trial_id
+                served.name,
+                plan.prompt_ids,
+                sampling,
+                affinity=session.trial_id,
+                images=_prompt_images(session, request, plan),
             )
         except BaseException as exc:
             if live is not None:
@@ -702,6 +722,7 @@ class TurnService:
             completion_ids=array("i", ids),
             logprobs=array("f", logprobs[: len(ids)]),
             prompt_len=len(plan.prompt_ids),
+            images=plan.images,
             key=raw_prompt_key([*plan.prompt_ids, *ids])
             if prepared.request.prompt_ids is not None
             else extend_key(plan.request_key, returned),
@@ -732,6 +753,9 @@ class TurnService:
             ),
         )
         if session.state is SessionState.ACTIVE:
+            for placed in plan.images:  # an image is kept with the first turn that uses it
+                if placed.sha256 not in session.images:
+                    session.images[placed.sha256] = prepared.request.images[placed.sha256]
             session.add_turn(node)
         if self.metrics is not None:
             now = time.perf_counter()
@@ -874,6 +898,17 @@ def _parsed_events(events: list[StreamEvent], calls: list[ToolCall]) -> Iterator
             call = ToolCall(_call_id(event.call, calls), event.call.name, event.call.arguments)
             calls.append(call)
             yield ToolCallReady(event.index, call)
+
+
+def _prompt_images(session: Session, request: TurnRequest, plan: PromptPlan) -> list[PromptImage]:
+    """Every image of the turn's prompt, with its bytes, for the worker."""
+    placed: list[PlacedImage] = session.prompt_images(plan.parent)
+    placed.extend(plan.images)
+    out: list[PromptImage] = []
+    for image in placed:
+        data = session.images.get(image.sha256) or request.images[image.sha256]
+        out.append(PromptImage(image.sha256, data.data, image.start, image.end))
+    return out
 
 
 def _recorded(session: Session, node: TurnNode) -> bool:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.api.errors import json_response, parse_json
 from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
 from proxy.cluster import CLUSTER, FORWARDED_BY, Cluster, new_owned_trial_id
-from proxy.exceptions import BadRequestError, StorageError
+from proxy.exceptions import BadRequestError, NotFoundError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Session, SessionState
@@ -109,6 +109,26 @@ async def get_trajectories(request: web.Request) -> web.Response:
     return json_response(export)
 
 
+async def get_image(request: web.Request) -> web.Response:
+    """An image of the session's prompts, by the sha256 its trajectories name: the bytes
+    as the agent sent them, with their content type."""
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    sha256 = request.match_info["sha256"]
+    image = session.images.get(sha256.lower())
+    if image is None:
+        raise NotFoundError(
+            f"session {session.trial_id} has no image {sha256}", code="image_not_found"
+        )
+    return web.Response(
+        body=image.data,
+        content_type=image.media_type.value,
+        headers={
+            "Cache-Control": "private, max-age=31536000, immutable",
+            "ETag": f'"{image.sha256}"',
+        },
+    )
+
+
 async def complete_session(request: web.Request) -> web.Response:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     raw = await request.read()
@@ -194,5 +214,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/sessions/{trial_id}", create_named_session)
     app.router.add_get("/sessions/{trial_id}", get_session)
     app.router.add_get("/sessions/{trial_id}/trajectories", get_trajectories)
+    app.router.add_get("/sessions/{trial_id}/images/{sha256}", get_image)
     app.router.add_post("/sessions/{trial_id}/complete", complete_session)
     app.router.add_delete("/sessions/{trial_id}", delete_session)

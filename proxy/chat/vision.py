@@ -78,17 +78,22 @@ class VisionTokens:
         image's span in the result. The template must have placed every image once."""
         out: list[int] = []
         spans: list[Span] = []
-        for token in ids:
-            if token != self.pad_id:
-                out.append(token)
-                continue
+        pad, at = self.pad_id, 0
+        while True:
+            try:
+                found = ids.index(pad, at)  # searched in C: a prompt is long, its images few
+            except ValueError:
+                break
             if len(spans) == len(images):
                 raise TemplateError(
                     f"the chat template placed more images than the {len(images)} sent"
                 )
+            out.extend(ids[at:found])
             start = len(out)
-            out.extend([self.pad_id] * self.count(images[len(spans)]))
+            out.extend([pad] * self.count(images[len(spans)]))
             spans.append((start, len(out)))
+            at = found + 1
+        out.extend(ids[at:])
         if len(spans) != len(images):
             raise TemplateError(
                 f"the chat template placed {len(spans)} of the {len(images)} images sent "

@@ -11,9 +11,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.chat.messages import ChatMessage, Tool
+from proxy.chat.messages import ChatMessage, ImagePart, Tool
 from proxy.chat.renderer import ChatRenderer, NotPrefixStableError
-from proxy.sessions.model import PromptPlan, Session
+from proxy.chat.vision import VisionTokens
+from proxy.exceptions import ImageError
+from proxy.sessions.model import PlacedImage, PromptPlan, Session
 from proxy.sessions.options import HistoryPolicy
 
 
@@ -43,7 +45,12 @@ def plan_turn(
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool],
     located: Located | None = None,
+    vision: VisionTokens | None = None,
 ) -> PromptPlan:
+    """The turn's prompt. Images are expanded right after rendering (``vision``: the
+    model's placeholder and processor), so every id recorded is one the forward saw: a
+    continuation expands only the images its new messages bring; the earlier ones are
+    among the parent's ids, carried verbatim."""
     if located is None:
         located = locate(session, messages, tools)
     keys, found = located.keys, located.found
@@ -53,11 +60,14 @@ def plan_turn(
         # The template renders everything; the turn continues its parent only when that
         # rendering starts with the parent's context and sampled ids.
         parent, _ = found
-        ids = renderer.render_conversation(messages, tools, variables)
+        ids, images = _expanded(
+            vision, renderer.render_conversation(messages, tools, variables), messages, 0
+        )
         before = session.context_ids(parent)  # ends with the parent's sampled ids
         if ids[: len(before)] == list(before):
-            return PromptPlan(parent, ids[len(before) :], ids, keys[-1], "continued")
-        return PromptPlan(None, ids, ids, keys[-1], "template_rewrote_history")
+            own = tuple(i for i in images if i.start >= len(before))
+            return PromptPlan(parent, ids[len(before) :], ids, keys[-1], "continued", own)
+        return PromptPlan(None, ids, ids, keys[-1], "template_rewrote_history", images)
     if found is not None:
         parent, covered = found
         try:
@@ -71,10 +81,30 @@ def plan_turn(
             reason = "template_not_prefix_stable"
         else:
             prompt = session.context_ids(parent)
+            context, images = _expanded(vision, context, messages[covered:], len(prompt))
             prompt.extend(context)
-            return PromptPlan(parent, context, prompt, keys[-1], "continued")
-    ids = renderer.render_conversation(messages, tools, variables)
-    return PromptPlan(None, ids, ids, keys[-1], reason)
+            return PromptPlan(parent, context, prompt, keys[-1], "continued", images)
+    ids, images = _expanded(
+        vision, renderer.render_conversation(messages, tools, variables), messages, 0
+    )
+    return PromptPlan(None, ids, ids, keys[-1], reason, images)
+
+
+def _expanded(
+    vision: VisionTokens | None, ids: list[int], messages: Sequence[ChatMessage], offset: int
+) -> tuple[list[int], tuple[PlacedImage, ...]]:
+    """``ids`` (rendered from ``messages``, to sit at ``offset`` in the prompt) with each
+    image's placeholder expanded, and the images placed in the prompt."""
+    images: list[ImagePart] = [image for message in messages for image in message.images]
+    if not images:
+        return ids, ()
+    if vision is None:
+        raise ImageError("this model takes no images", code="images_unsupported")
+    expanded, spans = vision.expand(ids, images)
+    return expanded, tuple(
+        PlacedImage(image.sha256, offset + start, offset + end)
+        for image, (start, end) in zip(images, spans, strict=True)
+    )
 
 
 _RAW = b"raw-prompt"

@@ -121,6 +121,16 @@ class TurnMeta(msgspec.Struct, gc=False):
         }
 
 
+class PlacedImage(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """An image in a prompt: the sha256 of its bytes and the half-open range of its
+    placeholder tokens in the prompt ids (the tokens the model's forward fills with the
+    image's features)."""
+
+    sha256: str
+    start: int
+    end: int
+
+
 class TurnNode(msgspec.Struct, gc=False, eq=False):
     index: int
     parent: int | None
@@ -131,6 +141,8 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
     key: bytes  # identifies the context after this turn's assistant message
     meta: TurnMeta
     children: int = 0
+    # The images among its context tokens, in order, placed in the whole prompt.
+    images: tuple[PlacedImage, ...] = ()
 
     @property
     def end(self) -> int:
@@ -161,6 +173,8 @@ class PromptPlan:
     prompt_ids: Sequence[int]
     request_key: bytes  # key of tools + all request messages
     branch_reason: str
+    # The images among context_ids, placed in prompt_ids (the parent's are the parent's).
+    images: tuple[PlacedImage, ...] = ()
 
 
 @dataclass(slots=True)
@@ -257,6 +271,13 @@ class Session:
         self.last_context = (index, ids[:])
         return ids
 
+    def prompt_images(self, index: int | None) -> list[PlacedImage]:
+        """The images of the context that ends with node ``index``'s completion, in order
+        (none for None: a new root)."""
+        if index is None or not self.images:
+            return []
+        return [image for step in self.path(index) for image in step.images]
+
     def find_continuation(self, keys: Sequence[bytes]) -> tuple[int, int] | None:
         """The node whose context is the longest proper prefix of the request, as
         ``(node index, number of request messages it covers)``, or None.
@@ -317,13 +338,29 @@ class Session:
                     "versions": [[v, start + lo, start + hi] for v, lo, hi in spans],
                 }
             )
-        return {
+        out: dict[str, Any] = {
             "prompt_ids": root.context_ids.tolist(),
             "response_ids": response,
             "response_mask": mask,
             "response_logprobs": logprobs,
             "response_versions": versions,
             "turns": turns,
+        }
+        placed = [image for node in path for image in node.images]
+        if placed:
+            # Spans index prompt_ids + response_ids: a prompt's positions are the same in
+            # every turn of the path.
+            out["multi_modal_data"] = {"images": [self._image_entry(i) for i in placed]}
+        return out
+
+    def _image_entry(self, placed: PlacedImage) -> dict[str, Any]:
+        image = self.images[placed.sha256]
+        return {
+            "sha256": placed.sha256,
+            "mime": image.media_type.value,
+            "width": image.width,
+            "height": image.height,
+            "span": [placed.start, placed.end],
         }
 
     def export(self) -> dict[str, Any]:

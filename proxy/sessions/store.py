@@ -7,7 +7,9 @@ order they were submitted; whatever is waiting when a transaction starts is comm
 it (group commit), so many concurrent turns share one fsync.
 
 Token ids and logprobs are stored as little-endian int32 / float32 arrays (4 bytes a
-token), a turn's metadata as JSON. A turn row holds only what the turn added (its context
+token), a turn's metadata as JSON. An image's bytes are stored once per trial, by their
+sha256, in the transaction of the first turn whose prompt holds it; a turn row names its
+images and their places. A turn row holds only what the turn added (its context
 and completion tokens); prefixes shared by branches are stored once, as in memory.
 
 Durability: WAL with ``synchronous=FULL`` survives a crash of the process and of the
@@ -36,8 +38,10 @@ from typing import Any, TypeVar
 import msgspec
 
 from proxy.exceptions import StorageError
+from proxy.images import ImageData, MediaType
 from proxy.sessions.model import (
     CompletedBy,
+    PlacedImage,
     Session,
     SessionState,
     TrialId,
@@ -51,10 +55,11 @@ __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_arr
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # What each older schema version needs to become the current one.
 _MIGRATIONS = {
     1: "ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",  # session options
+    2: "ALTER TABLE turns ADD COLUMN images TEXT NOT NULL DEFAULT '[]'",  # a turn's images
 }
 # Writes waiting when a transaction starts that are committed with it.
 _GROUP_COMMIT = 512
@@ -89,7 +94,17 @@ CREATE TABLE IF NOT EXISTS turns (
     prompt_len INTEGER NOT NULL,
     key BLOB NOT NULL,
     meta TEXT NOT NULL,
+    images TEXT NOT NULL DEFAULT '[]',
     PRIMARY KEY (trial_id, idx)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS images (
+    trial_id TEXT NOT NULL REFERENCES sessions(trial_id) ON DELETE CASCADE,
+    sha256 TEXT NOT NULL,
+    media_type TEXT NOT NULL,
+    width INTEGER NOT NULL,
+    height INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (trial_id, sha256)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tombstones (
     trial_id TEXT PRIMARY KEY,
@@ -161,7 +176,25 @@ def _turn_row(trial_id: str, n: TurnNode) -> tuple[Any, ...]:
         n.prompt_len,
         n.key,
         _json(n.meta),
+        _json(n.images),
     )
+
+
+def _image_rows(session: Session, node: TurnNode) -> list[tuple[Any, ...]]:
+    rows = []
+    for placed in node.images:
+        image = session.images[placed.sha256]
+        rows.append(
+            (
+                session.trial_id,
+                image.sha256,
+                image.media_type.value,
+                image.width,
+                image.height,
+                image.data,
+            )
+        )
+    return rows
 
 
 def _session_from(row: sqlite3.Row) -> Session:
@@ -183,6 +216,12 @@ def _session_from(row: sqlite3.Row) -> Session:
     )
 
 
+def _image_from(row: sqlite3.Row) -> ImageData:
+    return ImageData(
+        row["sha256"], MediaType(row["media_type"]), row["width"], row["height"], bytes(row["data"])
+    )
+
+
 def _turn_from(row: sqlite3.Row) -> TurnNode:
     meta = json.loads(row["meta"])
     if "delivered" not in meta:
@@ -197,6 +236,7 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         prompt_len=row["prompt_len"],
         key=bytes(row["key"]),
         meta=TurnMeta(**meta),
+        images=msgspec.json.decode(row["images"], type=tuple[PlacedImage, ...]),
     )
 
 
@@ -221,12 +261,20 @@ def _put_session(session_row: tuple[Any, ...]) -> _Op:
     return op
 
 
-def _put_turn(session_row: tuple[Any, ...], turn_row: tuple[Any, ...]) -> _Op:
+def _put_turn(
+    session_row: tuple[Any, ...], turn_row: tuple[Any, ...], image_rows: list[tuple[Any, ...]]
+) -> _Op:
     put = _put_session(session_row)
 
     def op(db: sqlite3.Connection) -> None:
         put(db)
-        db.execute("INSERT INTO turns VALUES (?,?,?,?,?,?,?,?,?)", turn_row)
+        if image_rows:  # with the first turn that uses them; once per trial
+            db.executemany("INSERT OR IGNORE INTO images VALUES (?,?,?,?,?,?)", image_rows)
+        db.execute(
+            "INSERT INTO turns (trial_id, idx, parent, context_ids, completion_ids, logprobs,"
+            " prompt_len, key, meta, images) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            turn_row,
+        )
 
     return op
 
@@ -256,6 +304,7 @@ def _put_meta(trial_id: str, index: int, meta: str) -> _Op:
 def _forget(trial_id: str, deleted_at: float, tombstones: int) -> _Op:
     def op(db: sqlite3.Connection) -> None:
         db.execute("DELETE FROM turns WHERE trial_id = ?", (trial_id,))
+        db.execute("DELETE FROM images WHERE trial_id = ?", (trial_id,))
         db.execute("DELETE FROM sessions WHERE trial_id = ?", (trial_id,))
         db.execute(
             "INSERT OR REPLACE INTO tombstones (trial_id, deleted_at) VALUES (?, ?)",
@@ -285,15 +334,24 @@ def _load(db: sqlite3.Connection) -> LoadedState:
     turns: dict[str, list[sqlite3.Row]] = {}
     for row in db.execute("SELECT * FROM turns ORDER BY trial_id, idx"):
         turns.setdefault(row["trial_id"], []).append(row)
+    images: dict[str, list[sqlite3.Row]] = {}
+    for row in db.execute("SELECT * FROM images"):
+        images.setdefault(row["trial_id"], []).append(row)
     for row in db.execute("SELECT * FROM sessions ORDER BY created_at, trial_id"):
         trial_id = row["trial_id"]
         try:
             session = _session_from(row)
+            for image_row in images.get(trial_id, []):
+                image = _image_from(image_row)
+                session.images[image.sha256] = image
             updated_at = session.updated_at
             for index, turn_row in enumerate(turns.get(trial_id, [])):
                 node = _turn_from(turn_row)
                 if node.index != index or not (node.parent is None or node.parent < index):
                     raise ValueError(f"turn {node.index} is out of order")
+                missing = [i.sha256 for i in node.images if i.sha256 not in session.images]
+                if missing:
+                    raise ValueError(f"turn {node.index} names images not stored: {missing}")
                 session.add_turn(node)
             session.updated_at = updated_at
         except (ValueError, TypeError, KeyError) as exc:
@@ -499,8 +557,15 @@ class SessionStore:
         return self._submit(_put_session(_session_row(session)))
 
     def save_turn(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
-        """Add one recorded turn (and the session row's new ``updated_at``)."""
-        return self._submit(_put_turn(_session_row(session), _turn_row(session.trial_id, node)))
+        """Add one recorded turn (and the session row's new ``updated_at``), with the
+        images its prompt holds that the store does not have yet."""
+        return self._submit(
+            _put_turn(
+                _session_row(session),
+                _turn_row(session.trial_id, node),
+                _image_rows(session, node),
+            )
+        )
 
     def save_turn_meta(self, session: Session, node: TurnNode) -> asyncio.Future[None]:
         """Rewrite a recorded turn's metadata (its delivery, after the turn was committed).

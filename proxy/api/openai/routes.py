@@ -261,6 +261,8 @@ async def list_models(request: web.Request) -> web.Response:
         served = known.get(name)
         if served is not None:
             entry["tool_call_format"] = served.renderer.parser.name
+            # Whether the model takes images (a vision-language model).
+            entry["vision"] = served.vision is not None
             entry["template_check"] = [r.as_dict() for r in served.template_check]
             if served.tools_check is not None:
                 entry["tools"] = served.tools_check.as_dict()
