@@ -12,7 +12,16 @@ import msgspec
 import pytest
 
 from proxy.exceptions import StorageError
-from proxy.sessions.model import CompletedBy, Session, SessionState, TrialId, TurnMeta, TurnNode
+from proxy.images import ImageData, MediaType
+from proxy.sessions.model import (
+    CompletedBy,
+    PlacedImage,
+    Session,
+    SessionState,
+    TrialId,
+    TurnMeta,
+    TurnNode,
+)
 from proxy.sessions.options import HistoryPolicy, SessionOptions
 from proxy.sessions.store import (
     DB_NAME,
@@ -269,6 +278,8 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)  # back to the version 1 layout
     db.execute("ALTER TABLE sessions DROP COLUMN options")
+    db.execute("ALTER TABLE turns DROP COLUMN images")
+    db.execute("DROP TABLE images")
     db.execute("UPDATE relay_meta SET value='1' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -280,7 +291,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 2
+    assert int(version) == SCHEMA_VERSION == 3
 
 
 async def test_version_spans_round_trip(tmp_path: Path) -> None:
@@ -343,3 +354,95 @@ async def test_delivery_is_saved_after_the_turn_and_old_rows_count_as_delivered(
     assert loaded.nodes[2].meta.truncated is True
     assert loaded.nodes[2].meta.delivered is False
     assert loaded.nodes[3].meta.delivered is False  # recorded, never delivered
+
+
+def _with_images(s: Session) -> tuple[ImageData, ImageData]:
+    """Images in two turns' contexts: the first in turn 0, both again in turn 1."""
+    a = ImageData("a" * 64, MediaType.PNG, 64, 48, b"\x89PNG first")
+    b = ImageData("b" * 64, MediaType.JPEG, 1280, 800, b"\xff\xd8 second")
+    s.images = {a.sha256: a, b.sha256: b}
+    s.nodes[0].images = (PlacedImage(a.sha256, 1, 3),)
+    s.nodes[1].images = (PlacedImage(a.sha256, 7, 8), PlacedImage(b.sha256, 8, 9))
+    return a, b
+
+
+async def test_images_are_stored_once_with_the_turn_that_first_uses_them(tmp_path: Path) -> None:
+    """A turn's images commit in the turn's own transaction (a crash after the ack loses
+    none), each image once per trial however many turns hold it; they reload with their
+    places, and the export names them in order."""
+    s = _tree()
+    a, b = _with_images(s)
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    await store.save_turn(s, s.nodes[0])
+    db = sqlite3.connect(tmp_path / DB_NAME)  # another reader: what is committed now
+    assert db.execute("SELECT sha256 FROM images").fetchall() == [(a.sha256,)]
+    for node in s.nodes[1:]:
+        await store.save_turn(s, node)
+    rows = db.execute("SELECT sha256, media_type, data FROM images ORDER BY sha256").fetchall()
+    db.close()
+    assert rows == [(a.sha256, "image/png", a.data), (b.sha256, "image/jpeg", b.data)]
+    await store.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    assert loaded.images == s.images
+    assert [n.images for n in loaded.nodes] == [n.images for n in s.nodes]
+    assert json.dumps(loaded.export()) == json.dumps(s.export())
+    (trajectory,) = [
+        t for t in loaded.export()["trajectories"] if [u["turn"] for u in t["turns"]] == [0, 1, 4]
+    ]
+    assert [i["span"] for i in trajectory["multi_modal_data"]["images"]] == [[1, 3], [7, 8], [8, 9]]
+
+
+async def test_a_turn_whose_images_are_missing_is_not_restored(tmp_path: Path) -> None:
+    """A damaged store (a turn naming an image it lacks) skips that session, loudly,
+    rather than exporting spans without pixels."""
+    s = _tree()
+    _with_images(s)
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("DELETE FROM images WHERE sha256 = ?", ("b" * 64,))
+    db.commit()
+    db.close()
+    store = await SessionStore.open(tmp_path)
+    state = await store.load()
+    await store.close()
+    assert state.sessions == [] and state.skipped == ["trial-1"]
+
+
+async def test_deleting_a_session_deletes_its_images(tmp_path: Path) -> None:
+    s = _tree()
+    _with_images(s)
+    store = await SessionStore.open(tmp_path)
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    await store.delete_session(s.trial_id)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT COUNT(*) FROM images").fetchone() == (0,)
+    db.close()
+
+
+async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
+    """A store written before images opens: its turns have none, and new turns can."""
+    store = await SessionStore.open(tmp_path)
+    s = _tree()
+    await store.save_session(s)
+    for node in s.nodes:
+        await store.save_turn(s, node)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("ALTER TABLE turns DROP COLUMN images")
+    db.execute("DROP TABLE images")
+    db.execute("UPDATE relay_meta SET value='2' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    assert all(n.images == () for n in loaded.nodes)
+    assert json.dumps(loaded.export()) == json.dumps(s.export())
+    await store.close()
