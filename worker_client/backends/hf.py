@@ -516,7 +516,7 @@ class HFEngine:
         images: Sequence[ImageSpan] = (),
     ) -> list[float]:
         """Teacher-forced RAW logprob of each response token given everything before it
-        (and the prompt's images, where they say they are)."""
+        (and the images, where they say they are in ``prompt_ids + response_ids``)."""
         import torch
         from transformers import DynamicCache
 
@@ -528,7 +528,9 @@ class HFEngine:
         first = len(prompt_ids) - 1  # position whose logits predict response_ids[0]
         vision = None
         if self.image_processor is not None:
-            vision = self._vision(prompt_ids, images)
+            # Images anywhere in the sequence: a trajectory's later turns bring theirs
+            # among the response ids (context tokens, mask 0).
+            vision = self._vision(ids, images)
         cache = DynamicCache(config=self.model.config)
         out: list[float] = []
         with torch.inference_mode():
