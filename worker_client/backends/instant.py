@@ -15,6 +15,9 @@ tool call), and its logprobs are made up.
   moment, as a batching GPU engine samples one token for every running sequence per step.
 * The same seed and prompt length give the same reply; without a seed, the request id
   seeds it.
+* A vision-language model's directory (its config names an ``image_token_id``) makes a
+  card that takes images: they are received and ignored, so a benchmark measures what
+  carrying images costs the proxy and the relay, not what a vision encoder costs.
 * The last chunk's ``extra`` carries ``first_token_time``: the wall-clock time (Unix
   seconds) at which the first token was handed on, so a benchmark can tell how long the
   token took to reach the agent.
@@ -54,6 +57,7 @@ class InstantEngine:
         max_model_len: int = 131072,
         reply_tokens: int = 16,
         tokens_per_second: float = 0.0,
+        image_token_id: int | None = None,
     ) -> None:
         if not vocab:
             raise EngineUnavailableError("the instant backend needs a non-empty vocabulary")
@@ -61,7 +65,7 @@ class InstantEngine:
             raise EngineUnavailableError("reply_tokens must be at least 1")
         if tokens_per_second < 0:
             raise EngineUnavailableError("tokens_per_second must be >= 0")
-        self._card = ModelCard(name, max_model_len, LogprobsMode.RAW, "instant")
+        self._card = ModelCard(name, max_model_len, LogprobsMode.RAW, "instant", image_token_id)
         self.vocab = list(vocab)
         self.eos_token_id = eos_token_id
         self.reply_tokens = reply_tokens
@@ -98,12 +102,17 @@ class InstantEngine:
         vocab = sorted(
             i for i in tokenizer.get("model", {}).get("vocab", {}).values() if i not in special
         )
-        eos = config.get("eos_token_id")
+        text = config.get("text_config")
+        text = text if isinstance(text, dict) else {}
+        eos = config.get("eos_token_id", text.get("eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         if not isinstance(eos, int):
             raise EngineUnavailableError(f"{path}/config.json declares no eos_token_id")
-        window = max_model_len or int(config.get("max_position_embeddings", 131072))
+        window = max_model_len or int(
+            config.get("max_position_embeddings", text.get("max_position_embeddings", 131072))
+        )
+        image_token = config.get("image_token_id")
         return cls(
             name=name or path.name,
             vocab=vocab,
@@ -111,6 +120,7 @@ class InstantEngine:
             max_model_len=window,
             reply_tokens=reply_tokens,
             tokens_per_second=tokens_per_second,
+            image_token_id=image_token if isinstance(image_token, int) else None,
         )
 
     @property
@@ -129,7 +139,8 @@ class InstantEngine:
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
-        refuse_images(self._card, images)
+        if not self._card.vision:  # a vision card takes them, and runs no model on them
+            refuse_images(self._card, images)
         room = check_prompt(self._card, prompt_ids)
         limit = min(sampling.max_tokens, room)
         count = min(self.reply_tokens, limit)

@@ -137,3 +137,26 @@ def test_bad_settings_and_missing_files_are_refused(tmp_path: Path) -> None:
         _engine(tokens_per_second=-1.0)
     with pytest.raises(EngineUnavailableError):
         InstantEngine.load(tmp_path)
+
+
+async def test_a_vision_model_directory_takes_images_and_a_text_one_refuses_them(
+    tiny_model_dir: Path,
+) -> None:
+    """The tiny VLM's directory makes a card with its image token, whose requests may carry
+    images (ignored: no model runs); the text model's refuses them."""
+    from worker_client.engine import ImageSpan
+    from worker_client.tiny_vlm import SHIPPED_TINY_VLM
+
+    config = json.loads((SHIPPED_TINY_VLM / "config.json").read_text())
+    vision = InstantEngine.load(SHIPPED_TINY_VLM, reply_tokens=3)
+    assert vision.card.image_token_id == config["image_token_id"]
+    assert vision.eos_token_id == config["text_config"]["eos_token_id"]
+    pad = config["image_token_id"]
+    image = ImageSpan("a" * 64, b"png bytes", 1, 5)
+    sampling = SamplingParams(max_tokens=8, seed=1)
+    chunks = [c async for c in vision.generate("r", [1, pad, pad, pad, pad, 2], sampling, [image])]
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    text = InstantEngine.load(tiny_model_dir)
+    assert text.card.image_token_id is None
+    with pytest.raises(EngineError, match="does not take images"):
+        [c async for c in text.generate("r", [1, 2, 3], sampling, [image])]
