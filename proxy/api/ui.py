@@ -2,7 +2,8 @@
 
 It lists sessions and shows one as its tree of turns (branch reason, finish reason,
 delivery and retries, worker, policy version, timings) and any trajectory as tokens: context and sampled tokens
-told apart, each sampled token's logprob on hover and in its colour. The page polls, so a
+told apart, each sampled token's logprob on hover and in its colour, each image as a
+thumbnail in place of its placeholder tokens. The page polls, so a
 running session is seen live. Its assets ship in the package (``proxy/api/ui_assets``):
 no CDN.
 
@@ -282,7 +283,33 @@ async def trajectory_tokens(request: web.Request) -> web.Response:
                 {"turn": t["turn"], "start": t["response_start"], "end": t["response_end"]}
                 for t in trajectory["turns"]
             ],
+            # Shown in place of their placeholder tokens, as thumbnails.
+            "images": [
+                {
+                    "start": image["span"][0],
+                    "end": image["span"][1],
+                    "width": image["width"],
+                    "height": image["height"],
+                    "url": f"/ui/api/sessions/{session.trial_id}/images/{image['sha256']}",
+                }
+                for image in trajectory.get("multi_modal_data", {}).get("images", [])
+            ],
         }
+    )
+
+
+async def image(request: web.Request) -> web.Response:
+    """An image of the session, for the page's thumbnails (the cookie is what an ``<img>``
+    can present)."""
+    _require(request)
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    found = session.images.get(request.match_info["sha256"])
+    if found is None:
+        raise NotFoundError(f"no such image in {session.trial_id}", code="image_not_found")
+    return web.Response(
+        body=found.data,
+        content_type=found.media_type.value,
+        headers={"Cache-Control": "private, max-age=86400", "X-Content-Type-Options": "nosniff"},
     )
 
 
@@ -299,3 +326,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ui/api/sessions", list_sessions)
     app.router.add_get("/ui/api/sessions/{trial_id}", session_tree)
     app.router.add_get("/ui/api/sessions/{trial_id}/trajectories/{leaf}", trajectory_tokens)
+    app.router.add_get("/ui/api/sessions/{trial_id}/images/{sha256}", image)

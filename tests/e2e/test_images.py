@@ -479,3 +479,24 @@ async def test_an_unknown_image_is_not_found(
     trial = await new_trial(vlm_client)
     status, _, _ = await image_bytes(vlm_stack, trial.trial_id, sha(RED))
     assert status == 404
+
+
+async def test_the_viewer_shows_images_in_place(
+    vlm_stack: RunningProxy, vlm_client: ProxyClient
+) -> None:
+    """The viewer's trajectory data places each image on its span, and its thumbnail URL
+    serves the bytes (with the page's own access, not the admin bearer)."""
+    trial = await new_trial(vlm_client)
+    await chat(trial, [chat_user("look", RED, "and", GREEN)], stream=False)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(
+            f"{vlm_stack.url}/ui/api/sessions/{trial.trial_id}/trajectories/0"
+        ) as r:
+            data = await r.json()
+        (export,) = (await vlm_client.trajectories(trial.trial_id))["trajectories"]
+        spans = [i["span"] for i in export["multi_modal_data"]["images"]]
+        assert [[i["start"], i["end"]] for i in data["images"]] == spans
+        for image, sent in zip(data["images"], (RED, GREEN), strict=True):
+            async with http.get(vlm_stack.url + image["url"]) as r:
+                assert r.content_type == "image/png"
+                assert await r.read() == sent

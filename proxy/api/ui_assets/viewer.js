@@ -140,11 +140,29 @@ async function showTrajectory(leaf) {
   );
   if (state.leaf !== leaf) return;
   const starts = new Set(data.turns.map((t) => t.start));
+  // An image's placeholder tokens are shown as the image: a thumbnail at its first token.
+  const images = new Map((data.images || []).map((image) => [image.start, image]));
+  let skipTo = 0;
+  const placed = (at) => {
+    const image = images.get(at);
+    if (image) {
+      skipTo = image.end;
+      spans.push(el("img", {
+        class: "thumb",
+        src: image.url,
+        alt: `image ${image.width}×${image.height}`,
+        title: `image ${image.width}×${image.height} · ${image.end - image.start} tokens`,
+      }));
+    }
+    return at < skipTo;
+  };
   const spans = [];
-  for (const [text, id] of data.prompt) {
+  data.prompt.forEach(([text, id], at) => {
+    if (placed(at)) return;
     spans.push(el("span", { class: "tok prompt", title: `prompt · id ${id}`, text }));
-  }
+  });
   data.response.forEach(([text, id, mask, lp], at) => {
+    if (placed(data.prompt.length + at)) return;
     const classes = ["tok", mask ? "sampled" : "ctx"];
     if (starts.has(at) && mask) classes.push("turn-start");
     const attrs = {
