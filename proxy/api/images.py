@@ -10,18 +10,37 @@ were never kept; the memory is then forgotten and the body converted whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-from proxy.chat.messages import ChatMessage
+from proxy.chat.messages import ChatMessage, ImagePart
 from proxy.exceptions import ImageError
 from proxy.images import ImageChecker, ImageData, ImageFetcher, ImageIntake, RemoteImageNeeded
 from proxy.sessions.model import Session
 
-__all__ = ["ImageSources", "take_images"]
+__all__ = ["ImageSources", "image_at", "message_parts", "take_images"]
 
 F = TypeVar("F")
+
+
+@contextmanager
+def image_at(where: str) -> Iterator[None]:
+    """An image refused inside the block is named by where it is in the request
+    (``messages.3.content.1: ...``), its code kept."""
+    try:
+        yield
+    except ImageError as exc:
+        raise ImageError(f"{where}: {exc.message}", code=exc.code) from None
+
+
+def message_parts(parts: Sequence[str | ImagePart]) -> tuple[str | ImagePart, ...]:
+    """A message's ``parts``: its text and images in order, or nothing for a message of
+    text only (whose context key then stays what it always was)."""
+    if any(isinstance(part, ImagePart) for part in parts):
+        return tuple(parts)
+    return ()
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,6 +21,7 @@ from proxy.api.anthropic.routes import content_blocks, signature_check
 from proxy.appkeys import POOL, SERVICE
 from proxy.chat.messages import ChatMessage, ToolCall, extend_key
 from proxy.exceptions import UpstreamError
+from proxy.images import ImageChecker, ImageIntake, ImageLimits
 from proxy.service import TextDelta, TurnEvent, TurnResult, TurnService
 from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient, TrialSession
@@ -86,7 +87,9 @@ SESSION: Any = SimpleNamespace(api_key="key", trial_id="trial")
 
 def _internal(messages: list[dict[str, Any]]) -> list[ChatMessage]:
     request = MessagesRequest.model_validate({"model": "m", "messages": messages})
-    return request.internal_messages(signature_check(SESSION))
+    return request.internal_messages(
+        signature_check(SESSION), ImageIntake(ImageChecker(ImageLimits()))
+    )
 
 
 def test_returned_blocks_translate_back_to_the_recorded_message() -> None:
@@ -538,7 +541,7 @@ def _tool_result(content: Any) -> list[dict[str, Any]]:
         (_body(tools=[{"name": "t"}]), "tools.0: a custom tool needs input_schema", True),
         (
             _body(messages=[{"role": "user", "content": [IMAGE]}]),
-            "messages.0.content.0: image blocks are not supported",
+            "messages.0.content.0: the image data is not an image",
             True,
         ),
         (
@@ -546,7 +549,16 @@ def _tool_result(content: Any) -> list[dict[str, Any]]:
             "system.0: document blocks are not supported",
             True,
         ),
-        (_body(messages=_tool_result([IMAGE])), "image blocks are not supported", True),
+        (
+            _body(messages=_tool_result([IMAGE])),
+            "messages.0.content.0.content.0: the image data is not an image",
+            True,
+        ),
+        (
+            _body(system=[{"type": "text", "text": "s"}, IMAGE]),
+            "system.1: images are taken in user messages and tool results only",
+            True,
+        ),
         (
             _body(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "x"}]}]),
             "needs id and name",
@@ -575,7 +587,7 @@ async def test_bad_requests_are_400_in_anthropic_shape(
 
 
 async def test_image_block_raises_the_sdk_bad_request(proxy_client: ProxyClient) -> None:
-    """Through the SDK, an image block is a BadRequestError (400)."""
+    """Through the SDK, an image block whose data is no image is a BadRequestError (400)."""
     trial = await proxy_client.create_session()
     async with _client(trial) as client:
         with pytest.raises(anthropic.BadRequestError) as caught:

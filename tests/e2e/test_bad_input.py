@@ -72,8 +72,13 @@ GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
         (None, GOOD | {"top_p": 3}, "invalid_request"),
         (
             None,
-            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "unsupported_content",
+        ),
+        (
+            None,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "invalid_request",
         ),
         (
             None,

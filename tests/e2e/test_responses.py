@@ -20,6 +20,7 @@ from proxy.api.responses.models import ResponsesRequest
 from proxy.api.responses.output import ResponseEcho, ResponseHead, ResponseStream
 from proxy.appkeys import POOL
 from proxy.exceptions import UpstreamError
+from proxy.images import ImageChecker, ImageIntake, ImageLimits
 from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
@@ -462,7 +463,7 @@ async def test_unsupported_requests_are_400_and_unknown_trial_404(
                 model="m",
                 input=[{"role": "user", "content": [image_part]}],  # type: ignore[list-item,misc]
             )
-        assert image.value.code == "unsupported_content"
+        assert image.value.code == "invalid_image"
         with pytest.raises(openai.BadRequestError, match="not among the tools"):
             await client.responses.create(  # type: ignore[call-overload]
                 model="m",
@@ -560,7 +561,7 @@ def test_output_items_translate_back_to_one_assistant_message() -> None:
             ],
         }
     )
-    messages = parsed.internal_messages()
+    messages = parsed.internal_messages(ImageIntake(ImageChecker(ImageLimits())))
     assert [(m.role, m.content) for m in messages] == [
         ("system", "sys"),
         ("user", "hi"),

@@ -9,7 +9,13 @@ exactly the assistant message it recorded (otherwise the session would branch):
   are joined with a blank line (``"\\n\\n"``). A message with role ``system`` inside
   ``messages`` (Claude Code sends one mid-conversation) stays a system message there.
 * A user message's ``tool_result`` blocks become ``tool`` messages, in order; its text
-  blocks, joined with a blank line, become one user message after them.
+  and image blocks become one user message after them: its text is the text blocks
+  joined with a blank line, its ``parts`` that text and the images in order (a run of text
+  blocks joined the same way).
+* Images (``image`` blocks with a ``base64`` or ``url`` source) are taken in user messages
+  and in a ``tool_result``'s content (Claude Code's Read of a screenshot), through the
+  request's ``ImageIntake``, which checks them; an image in a system prompt, a system
+  message or an assistant message is refused (400 ``invalid_message``).
 * An assistant message's text blocks are concatenated with no separator (they are pieces
   of one sampled reply: a streamed reply can carry text after its ``tool_use`` blocks),
   and its ``tool_use`` blocks become tool calls with ``json.dumps(input)`` arguments.
@@ -18,7 +24,7 @@ exactly the assistant message it recorded (otherwise the session would branch):
   ``redacted_thinking`` blocks are dropped (the proxy never returns any), and so are
   thinking blocks in user messages or system prompts. ``is_error`` on a tool result is
   ignored (agents say so in the result's text).
-  Images, documents and every other block type are refused with a 400.
+  Documents and every other block type are refused with a 400.
 * Tools with a ``type`` other than ``custom`` are Anthropic server tools
   (``web_search_20250305``, ...) that a chat template cannot run: they are skipped.
 """
@@ -33,9 +39,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.bodies import MessageBody
 from proxy.api.errors import parse_json
+from proxy.api.images import image_at, message_parts
 from proxy.chat.history import HistoryMemory
-from proxy.chat.messages import ChatMessage, Tool, ToolCall
+from proxy.chat.messages import ChatMessage, ImagePart, Tool, ToolCall
 from proxy.exceptions import BadRequestError
+from proxy.images import ImageIntake
 from proxy.sampling import AgentSampling
 
 # Between the text blocks of a system prompt, a user message or a tool result.
@@ -64,6 +72,8 @@ class ContentBlock(_Lenient):
     # thinking
     thinking: str | None = None
     signature: str | None = None
+    # image (read by ``_image``: other blocks with a source, documents, are refused)
+    source: dict[str, Any] | None = None
 
 
 # (thinking text, signature) -> whether the proxy signed it for this trial
@@ -103,43 +113,124 @@ def _text_of(block: ContentBlock, where: str) -> str:
     return block.text
 
 
+def _not_here(at: str) -> BadRequestError:
+    return BadRequestError(
+        f"{at}: images are taken in user messages and tool results only", code="invalid_message"
+    )
+
+
 def _joined_text(content: str | list[ContentBlock], where: str) -> str:
-    """A system prompt, a system message or a tool result: text blocks only."""
+    """A system prompt or a system message: text blocks only."""
     if isinstance(content, str):
         return content
     texts: list[str] = []
     for j, block in enumerate(content):
         if block.type == "text":
             texts.append(_text_of(block, f"{where}.{j}"))
+        elif block.type == "image":
+            raise _not_here(f"{where}.{j}")
         elif block.type not in _DROPPED_BLOCKS:
             raise _unsupported(f"{where}.{j}", block.type)
     return BLOCK_SEPARATOR.join(texts)
 
 
-def _user_messages(content: str | list[ContentBlock], where: str) -> list[ChatMessage]:
+def _image(block: ContentBlock, at: str, intake: ImageIntake) -> ImagePart:
+    """An image block's image, taken through ``intake``."""
+    source = block.source
+    if source is None:
+        raise BadRequestError(f"{at}: an image block needs a source", code="invalid_request")
+    kind = source.get("type")
+    if kind == "base64":
+        data = source.get("data")
+        if not isinstance(data, str):
+            raise BadRequestError(
+                f"{at}: a base64 image source needs its data", code="invalid_request"
+            )
+        with image_at(at):
+            return intake.base64(data)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise BadRequestError(f"{at}: a url image source needs its url", code="invalid_request")
+        with image_at(at):
+            return intake.url(url)
+    raise BadRequestError(
+        f"{at}: image sources of type {kind!r} are not supported (send base64 or url)",
+        code="unsupported_content",
+    )
+
+
+def _add_text(parts: list[str | ImagePart], text: str) -> None:
+    """A text block after ``parts``: a run of text blocks is one text part, joined as the
+    message's text is."""
+    if parts and isinstance(parts[-1], str):
+        parts[-1] = f"{parts[-1]}{BLOCK_SEPARATOR}{text}"
+    else:
+        parts.append(text)
+
+
+def _tool_result(block: ContentBlock, at: str, intake: ImageIntake) -> ChatMessage:
+    """A ``tool_result`` block's tool message: its text blocks joined with a blank line,
+    and its images in their places."""
+    if not block.tool_use_id:
+        raise BadRequestError(
+            f"{at}: a tool_result block needs tool_use_id", code="invalid_request"
+        )
+    content = block.content
+    if not content:
+        return ChatMessage(role="tool", content="", tool_call_id=block.tool_use_id)
+    if isinstance(content, str):
+        return ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id)
+    texts: list[str] = []
+    parts: list[str | ImagePart] = []
+    for k, inner in enumerate(content):
+        where = f"{at}.content.{k}"
+        if inner.type == "text":
+            text = _text_of(inner, where)
+            texts.append(text)
+            _add_text(parts, text)
+        elif inner.type == "image":
+            parts.append(_image(inner, where, intake))
+        elif inner.type not in _DROPPED_BLOCKS:
+            raise _unsupported(where, inner.type)
+    return ChatMessage(
+        role="tool",
+        content=BLOCK_SEPARATOR.join(texts),
+        tool_call_id=block.tool_use_id,
+        parts=message_parts(parts),
+    )
+
+
+def _user_messages(
+    content: str | list[ContentBlock], where: str, intake: ImageIntake
+) -> list[ChatMessage]:
     if isinstance(content, str):
         return [ChatMessage(role="user", content=content)]
     results: list[ChatMessage] = []
     texts: list[str] = []
+    parts: list[str | ImagePart] = []  # the text blocks (runs joined) and images, in order
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         if block.type == "text":
-            texts.append(_text_of(block, at))
+            text = _text_of(block, at)
+            texts.append(text)
+            _add_text(parts, text)
+        elif block.type == "image":
+            parts.append(_image(block, at, intake))
         elif block.type == "tool_result":
-            if not block.tool_use_id:
-                raise BadRequestError(
-                    f"{at}: a tool_result block needs tool_use_id", code="invalid_request"
-                )
-            text = _joined_text(block.content, f"{at}.content") if block.content else ""
-            results.append(ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id))
+            results.append(_tool_result(block, at, intake))
         elif block.type == "tool_use":
             raise BadRequestError(
                 f"{at}: only assistant messages carry tool_use blocks", code="invalid_message"
             )
         elif block.type not in _DROPPED_BLOCKS:
             raise _unsupported(at, block.type)
-    if texts or not results:
-        results.append(ChatMessage(role="user", content=BLOCK_SEPARATOR.join(texts)))
+    if parts or not results:
+        results.append(
+            ChatMessage(
+                role="user", content=BLOCK_SEPARATOR.join(texts), parts=message_parts(parts)
+            )
+        )
     return results
 
 
@@ -181,6 +272,8 @@ def _assistant_message(
             raise BadRequestError(
                 f"{at}: tool_result blocks belong in user messages", code="invalid_message"
             )
+        elif block.type == "image":
+            raise _not_here(at)
         elif block.type != "redacted_thinking":
             raise _unsupported(at, block.type)
     return ChatMessage(
@@ -191,12 +284,14 @@ def _assistant_message(
     )
 
 
-def internal_message(message: MessageIn, i: int, signed: SignatureCheck) -> list[ChatMessage]:
+def internal_message(
+    message: MessageIn, i: int, signed: SignatureCheck, intake: ImageIntake
+) -> list[ChatMessage]:
     """The internal messages of the conversation's message ``i``; ``signed`` checks the
-    signatures of thinking blocks."""
+    signatures of thinking blocks, its images are taken through ``intake``."""
     where = f"messages.{i}.content"
     if message.role == "user":
-        return _user_messages(message.content, where)
+        return _user_messages(message.content, where, intake)
     if message.role == "assistant":
         return [_assistant_message(message.content, where, signed)]
     return [ChatMessage(role="system", content=_joined_text(message.content, where))]
@@ -257,11 +352,12 @@ class ConversationRequest(ConversationFields):
 
     messages: list[MessageIn] = Field(min_length=1)
 
-    def internal_messages(self, signed: SignatureCheck) -> list[ChatMessage]:
-        """The conversation; ``signed`` checks the signatures of thinking blocks."""
+    def internal_messages(self, signed: SignatureCheck, intake: ImageIntake) -> list[ChatMessage]:
+        """The conversation; ``signed`` checks the signatures of thinking blocks, its
+        images are taken through ``intake``."""
         out = self.system_messages()
         for i, message in enumerate(self.messages):
-            out.extend(internal_message(message, i, signed))
+            out.extend(internal_message(message, i, signed, intake))
         return out
 
 
@@ -299,13 +395,16 @@ _BODY = MessageBody("anthropic.messages", MessagesFields, MessageIn)
 
 
 def parse_messages_request(
-    body: bytes, memory: HistoryMemory, signed: SignatureCheck
+    body: bytes, memory: HistoryMemory, signed: SignatureCheck, intake: ImageIntake
 ) -> tuple[MessagesFields, list[ChatMessage]]:
     """A ``/v1/messages`` body's fields and its conversation, validating and converting
-    only the messages ``memory`` has not seen (``proxy.api.bodies``)."""
-    split = _BODY.parse(body, memory, lambda message, i: internal_message(message, i, signed))
+    only the messages ``memory`` has not seen (``proxy.api.bodies``); the images of those
+    it converts are taken through ``intake`` (``proxy.api.images.take_images``)."""
+    split = _BODY.parse(
+        body, memory, lambda message, i: internal_message(message, i, signed, intake)
+    )
     if split is None:
         whole = parse_json(MessagesRequest, body)
-        return whole, whole.internal_messages(signed)
+        return whole, whole.internal_messages(signed, intake)
     fields, messages = split
     return fields, [*fields.system_messages(), *messages]

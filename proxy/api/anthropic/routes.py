@@ -27,8 +27,9 @@ from proxy.api.anthropic.models import (
 from proxy.api.anthropic.thinking import sign_thinking, thinking_signed
 from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import json_response, parse_json, register_error_format
+from proxy.api.images import take_images
 from proxy.api.sse import EventStream, StreamSink
-from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
+from proxy.appkeys import IMAGES, MODELS, POOL, SERVICE, SESSIONS
 from proxy.chat.messages import ChatMessage, ToolCall
 from proxy.exceptions import ProxyError, ServiceUnavailableError
 from proxy.ids import new_id
@@ -120,7 +121,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     session = _session(request)
     session.require_active()
     body = await request.read()
-    parsed, messages = parse_messages_request(body, session.history, signature_check(session))
+    signed = signature_check(session)
+    parsed, messages, images = await take_images(
+        request.app[IMAGES],
+        session,
+        lambda intake: parse_messages_request(body, session.history, signed, intake),
+    )
     turn = TurnRequest(
         api="anthropic.messages",
         requested_model=parsed.model,
@@ -130,6 +136,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stop=parsed.stop_strings(),
         tool_choice=parsed.tool_choice_name(),
         marks=retry_marks(request, "anthropic.messages", body),
+        images=images,
     )
     service = request.app[SERVICE]
     if not parsed.stream:
@@ -338,7 +345,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     prompt can differ by a few tokens."""
     session = _session(request)
     parsed = parse_json(CountTokensRequest, await request.read())
-    messages = parsed.internal_messages(signature_check(session))
+    signed = signature_check(session)
+    # Images are taken (and refused) as a real request's are; nothing is recorded.
+    _, messages, _ = await take_images(
+        request.app[IMAGES],
+        session,
+        lambda intake: (parsed, parsed.internal_messages(signed, intake)),
+    )
     tools = parsed.internal_tools()
     parsed.tool_choice_name()  # validated like a real request
     renderer = (await _served_model(request, session, parsed.model)).renderer

@@ -1,5 +1,12 @@
 """Wire models of the OpenAI chat completions and legacy completions APIs (validated at
-the boundary only)."""
+the boundary only).
+
+A message's content is a string or a list of parts: ``text`` parts, and ``image_url``
+parts (``{"url": ..., "detail": ...}``, or the URL alone) in user and tool messages. A
+message with images keeps its text and images in order (``ChatMessage.parts``); its images
+are taken through the request's ``ImageIntake`` (``proxy.images``), which checks them.
+An image in a system, developer or assistant message is refused (no chat template renders
+one there), and so is every other part type."""
 
 from __future__ import annotations
 
@@ -10,9 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.api.bodies import MessageBody
 from proxy.api.errors import parse_json
+from proxy.api.images import image_at, message_parts
 from proxy.chat.history import HistoryMemory
-from proxy.chat.messages import ChatMessage, Tool, ToolCall
+from proxy.chat.messages import ChatMessage, ImagePart, Tool, ToolCall
 from proxy.exceptions import BadRequestError
+from proxy.images import ImageIntake
+
+_TEXT_PARTS = {"text", "input_text", "output_text"}
+# The roles whose messages may hold images (chat templates render them there only).
+_IMAGE_ROLES = {"user", "tool"}
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -28,9 +41,16 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ImageUrl(_Lenient):
+    url: str
+    detail: str | None = None  # the engine decides the resolution; taken and ignored
+
+
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+    # An image_url part: the object, or (as some clients send it) the URL alone.
+    image_url: ImageUrl | str | None = None
 
 
 class FunctionCall(_Lenient):
@@ -59,17 +79,11 @@ class MessageIn(_Lenient):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
-    def to_internal(self, index: int) -> ChatMessage:
+    def to_internal(self, index: int, intake: ImageIntake) -> ChatMessage:
+        """The internal message; its images are taken through ``intake``."""
+        parts: tuple[str | ImagePart, ...] = ()
         if isinstance(self.content, list):
-            texts: list[str] = []
-            for part in self.content:
-                if part.type not in {"text", "input_text", "output_text"} or part.text is None:
-                    raise BadRequestError(
-                        f"messages.{index}.content: only text parts are supported, got {part.type!r}",
-                        code="unsupported_content",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
+            content, parts = self._parts(self.content, index, intake)
         else:
             content = self.content or ""
         if self.role == "tool" and self.tool_call_id is None:
@@ -101,7 +115,44 @@ class MessageIn(_Lenient):
             tool_call_id=self.tool_call_id,
             name=self.name,
             reasoning=reasoning or None,
+            parts=parts,
         )
+
+    def _parts(
+        self, content: list[ContentPart], index: int, intake: ImageIntake
+    ) -> tuple[str, tuple[str | ImagePart, ...]]:
+        """The text of a list content, and its text and images in order."""
+        texts: list[str] = []
+        parts: list[str | ImagePart] = []
+        for j, part in enumerate(content):
+            at = f"messages.{index}.content.{j}"
+            if part.type == "image_url":
+                parts.append(self._image(part, at, index, intake))
+            elif part.type in _TEXT_PARTS and part.text is not None:
+                texts.append(part.text)
+                parts.append(part.text)
+            else:
+                raise BadRequestError(
+                    f"{at}: only text and image_url parts are supported, got {part.type!r}",
+                    code="unsupported_content",
+                )
+        return "".join(texts), message_parts(parts)
+
+    def _image(self, part: ContentPart, at: str, index: int, intake: ImageIntake) -> ImagePart:
+        if self.role not in _IMAGE_ROLES:
+            raise BadRequestError(
+                f"messages.{index}: a {self.role} message cannot hold images "
+                f"({at} is an image_url part); images go in user and tool messages",
+                code="invalid_message",
+            )
+        image = part.image_url
+        url = image.url if isinstance(image, ImageUrl) else image
+        if not url:
+            raise BadRequestError(
+                f"{at}: an image_url part needs image_url.url", code="invalid_request"
+            )
+        with image_at(at):
+            return intake.url(url)
 
 
 class FunctionDef(_Lenient):
@@ -174,23 +225,24 @@ class ChatCompletionRequest(ChatCompletionFields):
 
     messages: list[MessageIn] = Field(min_length=1)
 
-    def internal_messages(self) -> list[ChatMessage]:
-        return [m.to_internal(i) for i, m in enumerate(self.messages)]
+    def internal_messages(self, intake: ImageIntake) -> list[ChatMessage]:
+        return [m.to_internal(i, intake) for i, m in enumerate(self.messages)]
 
 
 _BODY = MessageBody("openai.chat", ChatCompletionFields, MessageIn)
 
 
 def parse_chat_completion(
-    body: bytes, memory: HistoryMemory
+    body: bytes, memory: HistoryMemory, intake: ImageIntake
 ) -> tuple[ChatCompletionFields, list[ChatMessage]]:
     """A chat completion body's fields and internal messages, validating and converting
-    only the messages ``memory`` has not seen (``proxy.api.bodies``)."""
-    split = _BODY.parse(body, memory, lambda message, index: (message.to_internal(index),))
+    only the messages ``memory`` has not seen (``proxy.api.bodies``); the images of those
+    it converts are taken through ``intake`` (``proxy.api.images.take_images``)."""
+    split = _BODY.parse(body, memory, lambda message, index: (message.to_internal(index, intake),))
     if split is not None:
         return split
     whole = parse_json(ChatCompletionRequest, body)
-    return whole, whole.internal_messages()
+    return whole, whole.internal_messages(intake)
 
 
 class CompletionRequest(_Lenient):

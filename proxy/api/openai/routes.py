@@ -11,11 +11,12 @@ from aiohttp import web
 
 from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import error_body, json_response
+from proxy.api.images import take_images
 from proxy.api.openai import completions
 from proxy.api.openai.choices import IndexedEvent, choice_requests, streamed_choices
 from proxy.api.openai.models import parse_chat_completion
 from proxy.api.sse import EventStream, StreamSink
-from proxy.appkeys import MODELS, POOL, SERVICE, SESSIONS
+from proxy.appkeys import IMAGES, MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
@@ -93,7 +94,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
     body = await request.read()
-    parsed, messages = parse_chat_completion(body, session.history)
+    parsed, messages, images = await take_images(
+        request.app[IMAGES],
+        session,
+        lambda intake: parse_chat_completion(body, session.history, intake),
+    )
     turn = TurnRequest(
         api="openai.chat",
         requested_model=parsed.model,
@@ -110,6 +115,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tool_choice=parsed.tool_choice_name(),
         # Several choices are several turns: such a request is never taken for a retry.
         marks=retry_marks(request, "openai.chat", body) if parsed.n == 1 else None,
+        images=images,
     )
     service = request.app[SERVICE]
     # n > 1: each choice is its own turn (a sibling branch of the session's tree), with

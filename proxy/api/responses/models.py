@@ -1,13 +1,17 @@
 """Wire models of the OpenAI Responses API request, and its translation into the
 internal message model (validated at the boundary only).
 
-Only what a chat template can render is accepted. Input items are messages,
+Only what a chat template can render is accepted. Input items are messages (text parts,
+and ``input_image`` parts in user messages),
 ``function_call``, ``function_call_output`` and ``reasoning`` (its text becomes the
 reasoning of the assistant reply that follows it; a reasoning item with no readable text,
 such as one carrying only ``encrypted_content`` from another server, adds nothing). Tools are function tools, also inside a ``namespace`` entry; other
 tool types (``web_search``, ``file_search``, ``custom``, ``local_shell``, ...) are hosted
 or grammar-driven tools a chat template cannot render, so they are left out of the
-prompt. Responses are not stored: ``previous_response_id`` is refused and the agent sends
+prompt. A ``function_call_output`` whose output is a list of ``input_text`` and
+``input_image`` parts keeps its images in place, as a user message does (Codex's
+``view_image``). Images are taken through the request's ``ImageIntake``, which checks
+them; ``file_id`` images are refused (files are not stored here). Responses are not stored: ``previous_response_id`` is refused and the agent sends
 the whole conversation as ``input`` (Codex does so with ``store: false``).
 """
 
@@ -18,8 +22,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from proxy.chat.messages import ChatMessage, Tool, ToolCall
+from proxy.api.images import image_at, message_parts
+from proxy.chat.messages import ChatMessage, ImagePart, Tool, ToolCall
 from proxy.exceptions import BadRequestError
+from proxy.images import ImageIntake
 
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
@@ -43,20 +49,52 @@ def flat_tool_name(namespace: str | None, name: str) -> str:
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+    # input_image
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None  # the engine decides the resolution; taken and ignored
 
 
-def _text(content: str | list[ContentPart], where: str) -> str:
+def _content(
+    content: str | list[ContentPart], where: str, intake: ImageIntake | None
+) -> tuple[str, tuple[str | ImagePart, ...]]:
+    """The text of a content, and its text and images in order (none for text only).
+    Images are taken through ``intake``; None: the content may hold none."""
     if isinstance(content, str):
-        return content
+        return content, ()
     texts: list[str] = []
-    for part in content:
-        if part.type not in _TEXT_PARTS or part.text is None:
+    parts: list[str | ImagePart] = []
+    for j, part in enumerate(content):
+        at = f"{where}.{j}"
+        if part.type == "input_image":
+            if intake is None:
+                raise BadRequestError(
+                    f"{at}: images are taken in user messages and function_call_output only",
+                    code="invalid_message",
+                )
+            parts.append(_image(part, at, intake))
+        elif part.type in _TEXT_PARTS and part.text is not None:
+            texts.append(part.text)
+            parts.append(part.text)
+        else:
             raise BadRequestError(
-                f"{where}: only text parts are supported, got {part.type!r}",
+                f"{at}: only text and input_image parts are supported, got {part.type!r}",
                 code="unsupported_content",
             )
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(texts), message_parts(parts)
+
+
+def _image(part: ContentPart, at: str, intake: ImageIntake) -> ImagePart:
+    if part.image_url:
+        with image_at(at):
+            return intake.url(part.image_url)
+    if part.file_id:
+        raise BadRequestError(
+            f"{at}: file_id images are not supported (files are not stored here); "
+            "send the image as a data URL in image_url",
+            code="unsupported_content",
+        )
+    raise BadRequestError(f"{at}: an input_image part needs image_url", code="invalid_request")
 
 
 class MessageItem(_Lenient):
@@ -125,8 +163,11 @@ InputItem = Annotated[
 ]
 
 
-def internal_messages(instructions: str | None, items: str | list[InputItem]) -> list[ChatMessage]:
-    """Input items as chat messages, in the form the session recorded its replies.
+def internal_messages(
+    instructions: str | None, items: str | list[InputItem], intake: ImageIntake
+) -> list[ChatMessage]:
+    """Input items as chat messages, in the form the session recorded its replies; images
+    are taken through ``intake``.
 
     A reply is an optional message item followed by its ``function_call`` items (see
     ``output.output_items``); such a run becomes ONE assistant message, so an agent that
@@ -153,9 +194,10 @@ def internal_messages(instructions: str | None, items: str | list[InputItem]) ->
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             thought = reasoning if role == "assistant" else None
-            messages.append(
-                ChatMessage(role=role, content=_text(item.content, where), reasoning=thought)
+            text, parts = _content(
+                item.content, f"{where}.content", intake if role == "user" else None
             )
+            messages.append(ChatMessage(role=role, content=text, reasoning=thought, parts=parts))
             calls_join = role == "assistant"
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(item.call_id, flat_tool_name(item.namespace, item.name), item.arguments)
@@ -175,12 +217,9 @@ def internal_messages(instructions: str | None, items: str | list[InputItem]) ->
                 )
             calls_join = True
         else:
+            text, parts = _content(item.output, f"{where}.output", intake)
             messages.append(
-                ChatMessage(
-                    role="tool",
-                    content=_text(item.output, f"{where}.output"),
-                    tool_call_id=item.call_id,
-                )
+                ChatMessage(role="tool", content=text, tool_call_id=item.call_id, parts=parts)
             )
             calls_join = False
         reasoning = None
@@ -268,8 +307,8 @@ class ResponsesRequest(_Lenient):
                 "background responses are not supported", code="unsupported_parameter"
             )
 
-    def internal_messages(self) -> list[ChatMessage]:
-        return internal_messages(self.instructions, self.input)
+    def internal_messages(self, intake: ImageIntake) -> list[ChatMessage]:
+        return internal_messages(self.instructions, self.input, intake)
 
     def _functions(self) -> list[tuple[str | None, FunctionToolIn | NamespaceFunctionIn]]:
         out: list[tuple[str | None, FunctionToolIn | NamespaceFunctionIn]] = []

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy.api.delivery import retry_marks, send_whole, settle
 from proxy.api.errors import json_response, parse_json
+from proxy.api.images import take_images
 from proxy.api.responses.models import ResponsesRequest
 from proxy.api.responses.output import (
     Event,
@@ -24,7 +25,7 @@ from proxy.api.responses.output import (
     response_body,
 )
 from proxy.api.sse import EventStream, StreamSink
-from proxy.appkeys import SERVICE, SESSIONS
+from proxy.appkeys import IMAGES, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
 from proxy.service import (
@@ -55,10 +56,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     parsed = parse_json(ResponsesRequest, body)
     parsed.check_supported()
+    _, messages, images = await take_images(
+        request.app[IMAGES], session, lambda intake: (parsed, parsed.internal_messages(intake))
+    )
     turn = TurnRequest(
         api="openai.responses",
         requested_model=parsed.model,
-        messages=parsed.internal_messages(),
+        messages=messages,
         tools=parsed.internal_tools(),
         sampling=AgentSampling(
             max_tokens=parsed.max_output_tokens,
@@ -67,6 +71,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         ),
         tool_choice=parsed.tool_choice_name(),
         marks=retry_marks(request, "openai.responses", body),
+        images=images,
     )
     echo = _echo(parsed)
     created_at = int(time.time())

@@ -12,6 +12,11 @@ from proxy.api.anthropic.models import MessagesRequest, parse_messages_request
 from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage
 from proxy.exceptions import BadRequestError
+from proxy.images import ImageChecker, ImageIntake, ImageLimits
+
+
+def _intake() -> ImageIntake:
+    return ImageIntake(ImageChecker(ImageLimits()))
 
 
 def _signed(thinking: str, signature: str) -> bool:
@@ -54,7 +59,7 @@ def _body(messages: Any, **fields: Any) -> bytes:
 
 
 def _whole(body: bytes) -> list[ChatMessage]:
-    return MessagesRequest.model_validate_json(body).internal_messages(_signed)
+    return MessagesRequest.model_validate_json(body).internal_messages(_signed, _intake())
 
 
 def test_the_conversation_equals_whole_validation_and_reuses_what_was_seen() -> None:
@@ -63,7 +68,7 @@ def test_the_conversation_equals_whole_validation_and_reuses_what_was_seen() -> 
     memory = HistoryMemory()
     for end in range(1, len(HISTORY) + 1):
         body = _body(HISTORY[:end])
-        fields, messages = parse_messages_request(body, memory, _signed)
+        fields, messages = parse_messages_request(body, memory, _signed, _intake())
         assert messages == _whole(body)
         assert messages[0] == ChatMessage("system", "You are terse.")
         assert fields.max_tokens == 64
@@ -76,9 +81,14 @@ def test_the_conversation_equals_whole_validation_and_reuses_what_was_seen() -> 
         ([], "invalid_request", "messages"),
         ([{"role": "tool", "content": "x"}], "invalid_request", "messages.0.role"),
         (
-            [*HISTORY[:2], {"role": "user", "content": [{"type": "image"}]}],
+            [*HISTORY[:2], {"role": "user", "content": [{"type": "document"}]}],
             "unsupported_content",
-            "messages.2.content.0: image blocks are not supported",
+            "messages.2.content.0: document blocks are not supported",
+        ),
+        (
+            [*HISTORY[:2], {"role": "user", "content": [{"type": "image"}]}],
+            "invalid_request",
+            "messages.2.content.0: an image block needs a source",
         ),
         (
             [*HISTORY[:2], {"role": "user", "content": [{"type": "tool_result"}]}],
@@ -93,9 +103,9 @@ def test_a_bad_message_is_refused_as_whole_validation_refuses_it(
     """With a memory that saw the good history, a bad message still gets the code and
     place whole validation gives it."""
     memory = HistoryMemory()
-    parse_messages_request(_body(HISTORY), memory, _signed)
+    parse_messages_request(_body(HISTORY), memory, _signed, _intake())
     with pytest.raises(BadRequestError) as got:
-        parse_messages_request(_body(messages), memory, _signed)
+        parse_messages_request(_body(messages), memory, _signed, _intake())
     assert got.value.code == code
     assert text in got.value.message
 
@@ -103,12 +113,12 @@ def test_a_bad_message_is_refused_as_whole_validation_refuses_it(
 def test_a_thinking_block_whose_signature_fails_is_refused_even_when_remembered() -> None:
     """A changed signature is a changed message: checked again, not taken from memory."""
     memory = HistoryMemory()
-    parse_messages_request(_body(HISTORY), memory, _signed)
+    parse_messages_request(_body(HISTORY), memory, _signed, _intake())
     forged = json.loads(json.dumps(HISTORY))
     forged[1]["content"][0]["signature"] = "forged"
     body = _body(forged)
     with pytest.raises(BadRequestError) as whole:
         _whole(body)
     with pytest.raises(BadRequestError) as got:
-        parse_messages_request(body, memory, _signed)
+        parse_messages_request(body, memory, _signed, _intake())
     assert got.value.code == whole.value.code

@@ -19,6 +19,12 @@ from proxy.api.openai.models import (
 from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage
 from proxy.exceptions import BadRequestError
+from proxy.images import ImageChecker, ImageIntake, ImageLimits
+
+
+def _intake() -> ImageIntake:
+    return ImageIntake(ImageChecker(ImageLimits()))
+
 
 HISTORY: list[dict[str, Any]] = [
     {"role": "system", "content": "be brief"},
@@ -45,7 +51,7 @@ def _with(index: int, message: Any) -> list[Any]:
 def _whole(body: bytes) -> tuple[ChatCompletionFields, list[ChatMessage]]:
     """The reference: the whole body validated in one pydantic model."""
     whole = parse_json(ChatCompletionRequest, body)
-    return whole, whole.internal_messages()
+    return whole, whole.internal_messages(_intake())
 
 
 def _refusal(parse: Any, body: bytes) -> BadRequestError:
@@ -63,7 +69,7 @@ def _where(error: BadRequestError) -> str:
 def _remembering() -> HistoryMemory:
     """A memory that has seen the good history (so only the changed part is new)."""
     memory = HistoryMemory()
-    parse_chat_completion(_body(HISTORY), memory)
+    parse_chat_completion(_body(HISTORY), memory, _intake())
     return memory
 
 
@@ -81,9 +87,12 @@ BAD_BODIES: list[tuple[str, bytes, str, str]] = [
     ("message 3 not an object", _body(_with(3, 5)), "invalid_request", "messages.3"),
     ("tool message without tool_call_id", _body(_with(3, {"role": "tool", "content": "r"})),
      "invalid_message", "messages.3"),
-    ("non-text content part",
+    ("unknown content part",
+     _body(_with(3, {"role": "user", "content": [{"type": "input_audio"}]})),
+     "unsupported_content", "messages.3.content.0"),
+    ("image_url part without its url",
      _body(_with(3, {"role": "user", "content": [{"type": "image_url"}]})),
-     "unsupported_content", "messages.3.content"),
+     "invalid_request", "messages.3.content.0"),
     ("content a number", _body(_with(1, {"role": "user", "content": 5})),
      "invalid_request", "messages.1.content.str"),
     ("temperature 9", _body(HISTORY, temperature=9), "invalid_request", "temperature"),
@@ -111,7 +120,7 @@ def test_a_bad_body_is_refused_as_whole_validation_refuses_it(
     table says), with an empty memory or one that has seen the good history."""
     history = HistoryMemory() if memory == "empty" else _remembering()
     expected = _refusal(_whole, body)
-    got = _refusal(lambda b: parse_chat_completion(b, history), body)
+    got = _refusal(lambda b: parse_chat_completion(b, history, _intake()), body)
     assert (got.code, _where(got)) == (expected.code, _where(expected))
     assert (got.code, _where(got)) == (code, where)
     assert got.status == 400
@@ -121,7 +130,7 @@ def test_the_first_bad_message_is_named() -> None:
     """Messages are validated and converted in order: a tool message without its
     tool_call_id at 1 is named before a bad role at 3 (whole validation names 3)."""
     history = [HISTORY[0], {"role": "tool", "content": "r"}, HISTORY[2], {"role": "bot"}]
-    error = _refusal(lambda b: parse_chat_completion(b, HistoryMemory()), _body(history))
+    error = _refusal(lambda b: parse_chat_completion(b, HistoryMemory(), _intake()), _body(history))
     assert (error.code, error.message) == (
         "invalid_message",
         "messages.1: a tool message needs tool_call_id",
@@ -134,13 +143,13 @@ def test_an_invalid_message_in_a_remembered_history_is_refused() -> None:
     memory does not hide the change; a valid replacement parses as from scratch."""
     memory = _remembering()
     bad = _body(_with(2, {"role": "assistant", "content": "x", "tool_call_id": 7}))
-    error = _refusal(lambda b: parse_chat_completion(b, memory), bad)
+    error = _refusal(lambda b: parse_chat_completion(b, memory, _intake()), bad)
     assert (error.code, _where(error)) == ("invalid_request", "messages.2.tool_call_id")
-    error = _refusal(lambda b: parse_chat_completion(b, memory), bad)  # and again
+    error = _refusal(lambda b: parse_chat_completion(b, memory, _intake()), bad)  # and again
     assert _where(error) == "messages.2.tool_call_id"
     good = _body(_with(2, {"role": "assistant", "content": "something else"}))
-    fields, messages = parse_chat_completion(good, memory)
-    fresh_fields, fresh_messages = parse_chat_completion(good, HistoryMemory())
+    fields, messages = parse_chat_completion(good, memory, _intake())
+    fresh_fields, fresh_messages = parse_chat_completion(good, HistoryMemory(), _intake())
     assert messages == fresh_messages == _whole(good)[1]
     assert messages[2].content == "something else"
     assert fields == fresh_fields
@@ -154,7 +163,7 @@ def test_a_message_only_reformatted_is_parsed_again_to_the_same_result() -> None
         {"messages": [dict(reversed(m.items())) for m in HISTORY], "model": "m"},
         separators=(",", ":"),
     ).encode()
-    assert parse_chat_completion(compact, memory)[1] == _whole(_body(HISTORY))[1]
+    assert parse_chat_completion(compact, memory, _intake())[1] == _whole(_body(HISTORY))[1]
 
 
 TOOLS = [
@@ -201,14 +210,14 @@ GOOD_BODIES: list[tuple[str, bytes]] = [
 def test_a_good_body_parses_as_whole_validation_parses_it(body: bytes, memory: str) -> None:
     """Fields and internal messages equal the whole body validated in one model."""
     history = HistoryMemory() if memory == "empty" else _remembering()
-    fields, messages = parse_chat_completion(body, history)
+    fields, messages = parse_chat_completion(body, history, _intake())
     whole, whole_messages = _whole(body)
     assert messages == whole_messages
     assert fields.model_dump() == whole.model_dump(exclude={"messages"})
     assert fields.internal_tools() == whole.internal_tools()
     assert fields.stop_strings() == whole.stop_strings()
     assert fields.tool_choice_name() == whole.tool_choice_name()
-    again = parse_chat_completion(body, history)  # now from the memory
+    again = parse_chat_completion(body, history, _intake())  # now from the memory
     assert again[1] == whole_messages
 
 
@@ -219,16 +228,16 @@ def test_only_the_messages_past_a_remembered_history_are_converted(
     converted: list[int] = []
     original = MessageIn.to_internal
 
-    def counting(self: MessageIn, index: int) -> ChatMessage:
+    def counting(self: MessageIn, index: int, intake: ImageIntake) -> ChatMessage:
         converted.append(index)
-        return original(self, index)
+        return original(self, index, intake)
 
     monkeypatch.setattr(MessageIn, "to_internal", counting)
     memory = HistoryMemory()
-    parse_chat_completion(_body(HISTORY), memory)
+    parse_chat_completion(_body(HISTORY), memory, _intake())
     assert converted == [0, 1, 2, 3, 4]
     longer = [*HISTORY, {"role": "user", "content": "more"}, {"role": "assistant", "content": "!"}]
     converted.clear()
-    _, messages = parse_chat_completion(_body(longer, temperature=1.0), memory)
+    _, messages = parse_chat_completion(_body(longer, temperature=1.0), memory, _intake())
     assert converted == [5, 6]
     assert messages == _whole(_body(longer))[1]
