@@ -21,7 +21,10 @@ class ProxyConfig:
     # Every replica's public URL, this one's included (normalized by relay.cluster); each
     # trial is owned by one of them. Empty: a single proxy.
     peers: tuple[str, ...] = ()
-    max_body_bytes: int = 16 * 1024 * 1024
+    # Agents resend their whole history each turn, images included, as base64: a 20-turn
+    # session with a screenshot each turn is over 16 MiB (a 1-2 MB PNG is a third more as
+    # base64), so the limit is 64 MiB; each image is still held to --max-image-bytes.
+    max_body_bytes: int = 64 * 1024 * 1024
     worker_wait_seconds: float = 30.0
     max_tokens: int = 4096
     # Credentials (None: open; the CLI refuses that without --no-auth). With an admin

@@ -37,7 +37,13 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         help="every proxy replica's public URL, this one's included: each trial is owned by "
         "one replica (chosen from its id), the others forward to it",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    limits = ProxyConfig()
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help="request body size at most (histories resend their images as base64 each turn)",
+    )
     parser.add_argument("--worker-wait-seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=4096, help="global cap per call")
     parser.add_argument("--tool-parser", default=None, help="hermes | qwen3_coder | none")
@@ -60,7 +66,6 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         "off: every step at once however busy (with --stream-interval above 1: off)",
     )
     parser.add_argument("--cache-dir", type=Path, default=None)
-    limits = ProxyConfig()
     parser.add_argument(
         "--max-in-flight",
         type=int,
@@ -162,6 +167,39 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         "(MiB; the least recently used are dropped first, their next turn parses its whole "
         "history once)",
     )
+    parser.add_argument(
+        "--image-url-allow",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="HOST",
+        help="hosts http(s) image URLs may be fetched from (repeatable): an exact host name, "
+        "or .example.org for its subdomains; none (the default): only base64 images",
+    )
+    parser.add_argument(
+        "--image-fetch-seconds",
+        type=float,
+        default=limits.image_fetch_seconds,
+        help="how long fetching one image URL may take",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=limits.max_image_bytes,
+        help="bytes one image may have (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.max_image_pixels,
+        help="pixels (width x height) one image may have (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=int,
+        default=limits.max_images,
+        help="images one request may hold, its history's included (0: no limit)",
+    )
 
 
 def _config(
@@ -185,6 +223,11 @@ def _config(
         max_sessions=args.max_sessions,
         history_memory_mb=args.history_memory_mb,
         tool_parser=args.tool_parser,
+        image_url_allow=tuple(args.image_url_allow),
+        image_fetch_seconds=args.image_fetch_seconds,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        max_images=args.max_images,
         stream_interval=args.stream_interval,
         stream_coalesce=args.stream_coalesce,
         max_in_flight=args.max_in_flight,

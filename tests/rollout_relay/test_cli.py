@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from proxy.coalesce import CoalesceMode
+from proxy.config import ProxyConfig
 from rollout_relay.cli import _freeze_alive, _secured_config, build_parser, main
 from tests.families import FIXTURES
 
@@ -85,6 +86,41 @@ def test_limits_and_tls_flags_reach_the_config() -> None:
     assert config is not None
     assert (config.max_messages, config.max_session_tokens, config.max_sessions) == (7, 99, 3)
     assert (str(config.tls_cert), str(config.tls_key)) == ("c.pem", "k.pem")
+
+
+def test_image_flags_reach_the_config() -> None:
+    """--image-url-allow extends over repeats; the image limits reach the config; the
+    defaults are the config's, the body limit (64 MiB) included."""
+    args = build_parser().parse_args(
+        [
+            "proxy",
+            "--no-auth",
+            "--image-url-allow",
+            "images.example.org",
+            ".cdn.example.net",
+            "--image-url-allow",
+            "127.0.0.1",
+            "--image-fetch-seconds",
+            "2.5",
+            "--max-image-bytes",
+            "1000",
+            "--max-image-pixels",
+            "4096",
+            "--max-images",
+            "3",
+        ]
+    )
+    config = _secured_config(args)
+    assert config is not None
+    assert config.image_url_allow == ("images.example.org", ".cdn.example.net", "127.0.0.1")
+    assert config.image_fetch_seconds == 2.5
+    assert (config.max_image_bytes, config.max_image_pixels, config.max_images) == (1000, 4096, 3)
+    default = _secured_config(build_parser().parse_args(["proxy", "--no-auth"]))
+    assert default is not None
+    fields = ("image_url_allow", "image_fetch_seconds", "max_image_bytes", "max_image_pixels")
+    for name in (*fields, "max_images", "max_body_bytes"):
+        assert getattr(default, name) == getattr(ProxyConfig(), name), name
+    assert default.max_body_bytes == 64 * 1024 * 1024
 
 
 def test_event_loop_defaults_to_uvloop_and_runs_either() -> None:
