@@ -284,6 +284,7 @@ class RemoteImageNeeded(Exception):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.url = url
+        self.where: str | None = None  # where the request holds it, for a refusal to name
 
 
 class ImageIntake:

@@ -11,7 +11,7 @@ were never kept; the memory is then forgotten and the body converted whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +33,9 @@ def image_at(where: str) -> Iterator[None]:
         yield
     except ImageError as exc:
         raise ImageError(f"{where}: {exc.message}", code=exc.code) from None
+    except RemoteImageNeeded as need:
+        need.where = need.where or where  # a refused fetch names it too
+        raise
 
 
 def message_parts(parts: Sequence[str | ImagePart]) -> tuple[str | ImagePart, ...]:
@@ -68,7 +71,8 @@ async def take_images(
         except RemoteImageNeeded as need:
             if limit and len(intake.fetched) >= limit:
                 sources.checker.check_count(len(intake.fetched) + 1)
-            intake.fetched[need.url] = await sources.fetcher.fetch(need.url)
+            with image_at(need.where) if need.where else nullcontext():
+                intake.fetched[need.url] = await sources.fetcher.fetch(need.url)
             continue
         named = [image for message in messages for image in message.images]
         if not named:

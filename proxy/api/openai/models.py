@@ -141,8 +141,8 @@ class MessageIn(_Lenient):
     def _image(self, part: ContentPart, at: str, index: int, intake: ImageIntake) -> ImagePart:
         if self.role not in _IMAGE_ROLES:
             raise BadRequestError(
-                f"messages.{index}: a {self.role} message cannot hold images "
-                f"({at} is an image_url part); images go in user and tool messages",
+                f"messages.{index}: images go in user and tool messages, not in a "
+                f"{self.role} message ({at} is an image)",
                 code="invalid_message",
             )
         image = part.image_url
