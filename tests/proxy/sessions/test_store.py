@@ -411,7 +411,8 @@ async def test_a_turn_whose_images_are_missing_is_not_restored(tmp_path: Path) -
     store = await SessionStore.open(tmp_path)
     state = await store.load()
     await store.close()
-    assert state.sessions == [] and state.skipped == ["trial-1"]
+    assert state.sessions == []
+    assert state.skipped == ["trial-1"]
 
 
 async def test_deleting_a_session_deletes_its_images(tmp_path: Path) -> None:
