@@ -41,8 +41,11 @@ PAD = json.loads((SHIPPED_TINY_VLM / "config.json").read_text())["image_token_id
 def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
     from PIL import Image
 
+    image = Image.new("RGB", size, color)
+    for x in range(0, size[0], 8):  # structure: a flat image's patches all look alike
+        image.putpixel((x, x % size[1]), (255 - color[0], color[1], 255 - color[2]))
     out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
+    image.save(out, format="PNG")
     return out.getvalue()
 
 
@@ -67,6 +70,7 @@ async def vlm_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[R
         cache_dir=tmp_path_factory.mktemp("vlm-proxy-cache"),
         stream_coalesce=IN_PROCESS_STREAMS,
         max_image_bytes=400_000,
+        max_image_pixels=1_500_000,  # a 1280x800 screenshot is in, 1600x1200 is not
         max_images=6,
     )
     running = await start_proxy(config)
@@ -87,12 +91,26 @@ def vlm_engine() -> HFEngine:
     return HFEngine.load(SHIPPED_TINY_VLM)
 
 
+_OPEN: list[AsyncOpenAI | AsyncAnthropic] = []  # the test's clients, closed after it
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _OPEN:
+        await _OPEN.pop().close()
+
+
 def _openai(trial: TrialSession) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0)
+    client = AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0)
+    _OPEN.append(client)
+    return client
 
 
 def _anthropic(trial: TrialSession) -> AsyncAnthropic:
-    return AsyncAnthropic(base_url=trial.anthropic_base_url, api_key=trial.api_key, max_retries=0)
+    client = AsyncAnthropic(base_url=trial.anthropic_base_url, api_key=trial.api_key, max_retries=0)
+    _OPEN.append(client)
+    return client
 
 
 def chat_user(*parts: bytes | str) -> dict[str, Any]:
@@ -156,10 +174,10 @@ def check_placed(trajectory: dict[str, Any], images: list[bytes]) -> None:
 def rescored(
     engine: HFEngine, trajectory: dict[str, Any], pixels: dict[str, bytes]
 ) -> list[tuple[float, float]]:
-    """(recorded, teacher-forced) logprob of every sampled token, re-scored with ``pixels``
-    by hash."""
+    """(recorded, teacher-forced) logprob of every sampled token, re-scored with the image
+    ``pixels`` gives each recorded hash."""
     spans = [
-        ImageSpan(i["sha256"], pixels[i["sha256"]], i["span"][0], i["span"][1])
+        ImageSpan(sha(pixels[i["sha256"]]), pixels[i["sha256"]], i["span"][0], i["span"][1])
         for i in trajectory["multi_modal_data"]["images"]
     ]
     scores = engine.score(trajectory["prompt_ids"], trajectory["response_ids"], spans)
@@ -308,7 +326,10 @@ async def test_anthropic_image_and_tool_result_image(
     await client.messages.create(model="m", max_tokens=8, messages=second)  # type: ignore[arg-type]
     export = await vlm_client.trajectories(trial.trial_id)
     trajectories = export["trajectories"]
-    longest = max(trajectories, key=lambda t: len(t["turns"]))
+    # The second request's assistant message adds a tool call the model did not make: a
+    # rewritten history, a new root that holds both images.
+    longest = max(trajectories, key=lambda t: len(t["multi_modal_data"]["images"]))
+    assert longest["turns"][-1]["branch_reason"] == "new_branch"
     images = [i["sha256"] for i in longest["multi_modal_data"]["images"]]
     assert images == [sha(RED), sha(GREEN)]
     check_placed(longest, [RED, GREEN])
