@@ -23,6 +23,14 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   ``update_weight_version``, and ``resume_generation``, also after a failure.
   ``stage_weights`` checks the checkpoint before any worker is touched: a model directory
   of the served architecture, with weights in it.
+* Images (a vision-language model: vLLM built a multimodal config and allows images): the
+  card announces the HF config's ``image_token_id``. vLLM expands a token prompt's image
+  placeholders itself (the model's multimodal processor replaces each one with as many as
+  the image takes), so each image's span of the proxy's expanded ids is collapsed to one
+  placeholder, with ``multi_modal_data={"image": [the decoded images, in order]}``. vLLM
+  reports the prompt ids it ran (``RequestOutput.prompt_token_ids``, after its expansion):
+  the first output is checked against the ids the proxy sent before any token goes out, and
+  a difference fails the request (``placeholders.check_expansion``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
+from worker_client.backends.placeholders import check_expansion, collapse_images, decode_image
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -43,7 +52,6 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
-    refuse_images,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 from worker_client.policy import StagedPath
@@ -144,6 +152,30 @@ def _finish_reason(reason: str | None, output: Any) -> FinishReason | None:
         ) from None
 
 
+def served_image_token(model_config: Any) -> int | None:
+    """The image placeholder of a vision-language model vLLM serves with images allowed:
+    the HF config's ``image_token_id``; None for a text model, a multimodal one started
+    without images (``limit_mm_per_prompt`` 0 for images, ``language_model_only``) or one
+    whose config names no ``image_token_id``."""
+    multimodal = getattr(model_config, "multimodal_config", None)
+    if multimodal is None or multimodal.get_limit_per_prompt("image") <= 0:
+        return None
+    token = getattr(getattr(model_config, "hf_config", None), "image_token_id", None)
+    return token if isinstance(token, int) and not isinstance(token, bool) else None
+
+
+def image_prompt(expanded: list[int], images: Sequence[ImageSpan], image_token_id: int) -> Any:
+    """The ``TokensPrompt`` of a prompt with images: one placeholder per image (vLLM expands
+    it) and the images, decoded, in the order of their spans."""
+    from vllm.inputs import TokensPrompt
+
+    ordered = sorted(images, key=lambda span: span.start)
+    return TokensPrompt(
+        prompt_token_ids=collapse_images(expanded, ordered, image_token_id),
+        multi_modal_data={"image": [decode_image(span) for span in ordered]},
+    )
+
+
 class VLLMEngine(StagedPath):
     """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
 
@@ -199,6 +231,7 @@ class VLLMEngine(StagedPath):
             max_model_len=int(llm.model_config.max_model_len),
             logprobs_mode=mode,
             backend=BACKEND,
+            image_token_id=served_image_token(llm.model_config),
         )
         return cls(llm, card)
 
@@ -213,13 +246,20 @@ class VLLMEngine(StagedPath):
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
-        refuse_images(self._card, images)
+        image_token = self._card.image_token_id
+        if images and image_token is None:
+            raise EngineError(f"model {self._card.name} (vllm backend) does not take images")
         check_prompt(self._card, prompt_ids)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
         params = to_vllm_sampling(sampling, vllm)
-        prompt = TokensPrompt(prompt_token_ids=id_list(prompt_ids))
+        expanded: list[int] | None = None
+        if images and image_token is not None:
+            expanded = id_list(prompt_ids)
+            prompt = await asyncio.to_thread(image_prompt, expanded, images, image_token)
+        else:
+            prompt = TokensPrompt(prompt_token_ids=id_list(prompt_ids))
         stream = self._llm.generate(prompt, params, request_id)
         try:
             while True:
@@ -231,6 +271,9 @@ class VLLMEngine(StagedPath):
                     raise EngineError(
                         f"vLLM failed request {request_id}: {type(exc).__name__}: {exc}"
                     ) from exc
+                if expanded is not None:  # the first output, before any token goes out
+                    check_expansion("vLLM", expanded, output.prompt_token_ids)
+                    expanded = None
                 chunk = chunk_from_output(output)
                 if chunk.finish_reason is None and not chunk.token_ids:
                     continue

@@ -11,8 +11,10 @@ The others run anywhere, including the main venv, which has no vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import io
 import sys
 import time
 import typing
@@ -23,14 +25,18 @@ from typing import Any
 import pytest
 
 import worker_client.backends
+from worker_client.backends.placeholders import collapse_images
 from worker_client.backends.vllm import (
     VLLM_LOGPROBS_MODES,
     VLLMEngine,
     chunk_from_output,
+    image_prompt,
+    served_image_token,
     to_vllm_sampling,
 )
 from worker_client.engine import (
     FinishReason,
+    ImageSpan,
     LogprobsMode,
     ModelCard,
     SamplingParams,
@@ -60,6 +66,7 @@ def output(
     token_ids: Sequence[int],
     logprobs: Any,
     finish_reason: str | None = None,
+    prompt_token_ids: Sequence[int] = PROMPT,
 ) -> Any:
     """A DELTA ``RequestOutput`` as vLLM's output processor builds it."""
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -76,7 +83,7 @@ def output(
     return RequestOutput(
         request_id="r1",
         prompt=None,
-        prompt_token_ids=list(PROMPT),
+        prompt_token_ids=list(prompt_token_ids),
         prompt_logprobs=None,
         outputs=[completion],
         finished=finish_reason is not None,
@@ -583,3 +590,203 @@ def test_weight_update_calls_fit_asyncllm(vllm_mod: Any) -> None:
     assert "def reload_weights(" in source
     assert "weights_path: str | None = None" in source
     assert "is_checkpoint_format: bool = True" in source
+
+
+# --------------------------------------------------------------------------- images
+
+PAD = 151655  # Qwen-VL's <|image_pad|>
+VSTART, VEND = 151652, 151653
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+RED, BLUE = png((200, 30, 40), (64, 48)), png((10, 10, 240), (32, 32))
+# The proxy's expanded ids: text, RED in 4 placeholders, text, BLUE in 2, text.
+EXPANDED = [11, VSTART, PAD, PAD, PAD, PAD, VEND, 12, VSTART, PAD, PAD, VEND, 13]
+IMAGES = [
+    ImageSpan(hashlib.sha256(RED).hexdigest(), RED, 2, 6),
+    ImageSpan(hashlib.sha256(BLUE).hexdigest(), BLUE, 9, 11),
+]
+COLLAPSED = [11, VSTART, PAD, VEND, 12, VSTART, PAD, VEND, 13]
+
+
+def vision_engine(llm: FakeLLM) -> VLLMEngine:
+    return VLLMEngine(llm, ModelCard("tiny-vl", 64, LogprobsMode.RAW, "vllm", PAD))
+
+
+def qwen_vl_replacements(counts: Sequence[int]) -> Any:
+    """The prompt updates vLLM's Qwen2-VL/Qwen3-VL processor builds for images that take
+    ``counts`` tokens: each image's one placeholder replaced by ``count`` of it
+    (``Qwen2VLMultiModalProcessor._get_prompt_updates``), bound to each image."""
+    from vllm.multimodal.processing.processor import PromptReplacement
+
+    update = PromptReplacement(
+        modality="image", target=[PAD], replacement=lambda i: [PAD] * counts[i]
+    )
+    return {"image": [[update.resolve(i)] for i in range(len(counts))]}
+
+
+def test_vllm_expands_the_collapsed_prompt_to_the_proxys(vllm_mod: Any) -> None:
+    """vLLM's own prompt replacement, given the collapsed ids and each image's token count,
+    rebuilds exactly the proxy's expanded ids, with each image's placeholders where its
+    span says; given the expanded ids it expands them again (the garbage this avoids)."""
+    from vllm.multimodal.processing.processor import apply_token_matches, find_mm_placeholders
+
+    updates = qwen_vl_replacements([4, 2])
+    collapsed = collapse_images(EXPANDED, IMAGES, PAD)
+    assert collapsed == COLLAPSED
+    ids, applied = apply_token_matches(collapsed, updates)
+    assert ids == EXPANDED
+    assert applied == {"image": [0, 0]}
+    placeholders = find_mm_placeholders(ids, updates)["image"]
+    assert [(p.start_idx, p.start_idx + p.length) for p in placeholders] == [(2, 6), (9, 11)]
+    twice, _ = apply_token_matches(EXPANDED, updates)
+    assert twice != EXPANDED
+    assert len(twice) > len(EXPANDED)
+
+
+def test_image_prompt_is_a_tokens_prompt_vllm_parses(vllm_mod: Any) -> None:
+    """The prompt holds one placeholder per image and the decoded images in span order,
+    which vLLM's multimodal data parser reads as that many images of those sizes."""
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    prompt = image_prompt(EXPANDED, list(reversed(IMAGES)), PAD)
+    assert prompt["prompt_token_ids"] == COLLAPSED
+    images = prompt["multi_modal_data"]["image"]
+    assert [(im.mode, im.size) for im in images] == [("RGB", (64, 48)), ("RGB", (32, 32))]
+    items = MultiModalDataParser().parse_mm_data(prompt["multi_modal_data"])
+    assert items.get_count("image") == 2
+    parsed = items["image"]
+    assert [parsed.get_image_size(i) for i in range(2)] == [(64, 48), (32, 32)]
+
+
+async def test_generate_sends_images_and_checks_vllms_expansion(vllm_mod: Any) -> None:
+    """An image request reaches vLLM as one placeholder per image plus the images; the
+    prompt ids vLLM reports are the proxy's, so the tokens stream as for text."""
+    llm = FakeLLM(
+        [
+            output([4], positions([(4, -0.5)]), prompt_token_ids=EXPANDED),
+            output([STOP], positions([(STOP, -0.25)]), "stop", prompt_token_ids=EXPANDED),
+        ]
+    )
+    sampling = SamplingParams(max_tokens=8, stop_token_ids=(STOP,))
+    chunks = await collect(vision_engine(llm).generate("req-1", EXPANDED, sampling, IMAGES))
+    assert chunks == [TokenChunk([4], [-0.5]), TokenChunk([STOP], [-0.25], FinishReason.STOP)]
+    ((prompt, _, _),) = llm.calls
+    assert prompt["prompt_token_ids"] == COLLAPSED
+    assert [im.size for im in prompt["multi_modal_data"]["image"]] == [(64, 48), (32, 32)]
+
+
+async def test_another_expansion_fails_the_request_before_any_token(vllm_mod: Any) -> None:
+    """vLLM expanding an image to another count (its processor set otherwise than the
+    model's files) fails the request before a token goes out, and vLLM's stream is closed
+    (which aborts the request in vLLM)."""
+    theirs = [*EXPANDED[:3], PAD, *EXPANDED[3:]]  # RED took 5 tokens in vLLM
+    closed: list[bool] = []
+
+    class ClosingLLM(FakeLLM):
+        async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+            try:
+                for item in self.outputs:
+                    yield item
+            finally:
+                closed.append(True)
+
+    llm = ClosingLLM([output([4], positions([(4, -0.5)]), prompt_token_ids=theirs)])
+    received: list[TokenChunk] = []
+
+    async def run() -> None:
+        stream = vision_engine(llm).generate("r", EXPANDED, SamplingParams(max_tokens=8), IMAGES)
+        received.extend([chunk async for chunk in stream])
+
+    with pytest.raises(EngineError, match="14 prompt ids where the proxy's expansion has 13"):
+        await run()
+    assert received == []
+    assert closed == [True]
+
+
+async def test_bad_spans_fail_before_vllm(vllm_mod: Any) -> None:
+    """Spans the prompt does not bear out and undecodable bytes fail before vLLM is called."""
+    llm = FakeLLM([])
+    sampling = SamplingParams(max_tokens=4)
+    bad_span = [IMAGES[0], ImageSpan(IMAGES[1].sha256, BLUE, 8, 11)]
+    with pytest.raises(EngineError, match="other tokens"):
+        await collect(vision_engine(llm).generate("r", EXPANDED, sampling, bad_span))
+    broken = [IMAGES[0], ImageSpan("0" * 64, b"not an image", 9, 11)]
+    with pytest.raises(EngineError, match="cannot be decoded"):
+        await collect(vision_engine(llm).generate("r", EXPANDED, sampling, broken))
+    assert llm.calls == []
+
+
+async def test_a_text_model_refuses_images() -> None:
+    """Images for a model whose card names no image token fail before vLLM is called."""
+    llm = FakeLLM([])
+    with pytest.raises(EngineError, match=r"tiny \(vllm backend\) does not take images"):
+        await collect(engine(llm).generate("r", PROMPT, SamplingParams(max_tokens=4), IMAGES))
+    assert llm.calls == []
+
+
+def _model_config(multimodal: Any, image_token_id: Any = PAD) -> Any:
+    return SimpleNamespace(
+        max_model_len=64,
+        multimodal_config=multimodal,
+        hf_config=SimpleNamespace(model_type="qwen3_vl", image_token_id=image_token_id),
+    )
+
+
+class _Limits:
+    def __init__(self, image: int) -> None:
+        self.image = image
+
+    def get_limit_per_prompt(self, modality: str) -> int:
+        return self.image if modality == "image" else 999
+
+
+def test_served_image_token_needs_images_allowed() -> None:
+    """The card names the config's image_token_id only for a multimodal model served with
+    images allowed (the proxy then expands its images)."""
+    assert served_image_token(_model_config(_Limits(999))) == PAD
+    assert served_image_token(_model_config(None)) is None  # a text model
+    assert served_image_token(_model_config(_Limits(0))) is None  # images off
+    assert served_image_token(_model_config(_Limits(5), image_token_id=None)) is None
+    assert served_image_token(SimpleNamespace(max_model_len=16)) is None
+
+
+def test_served_image_token_reads_vllms_configs(vllm_mod: Any) -> None:
+    """With vLLM's own MultiModalConfig: images allowed by default, off with a zero image
+    limit or language_model_only; ModelConfig has the fields read."""
+    import dataclasses
+
+    from vllm.config.model import ModelConfig
+    from vllm.config.multimodal import MultiModalConfig
+
+    assert served_image_token(_model_config(MultiModalConfig())) == PAD
+    off = MultiModalConfig(limit_per_prompt={"image": 0})
+    assert served_image_token(_model_config(off)) is None
+    assert served_image_token(_model_config(MultiModalConfig(language_model_only=True))) is None
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert {"multimodal_config", "hf_config", "max_model_len"} <= fields
+
+
+def test_load_announces_the_image_token(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vision-language model vLLM serves with images is announced with its placeholder."""
+    from vllm.config.multimodal import MultiModalConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def fake_from_engine_args(args: Any) -> FakeLLM:
+        llm = FakeLLM([])
+        llm.model_config = _model_config(MultiModalConfig())
+        return llm
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
+    eng = VLLMEngine.load("/models/tiny-vl", name="tiny-vl")
+    assert eng.card == ModelCard("tiny-vl", 64, LogprobsMode.RAW, "vllm", PAD)
+    assert eng.card.vision
