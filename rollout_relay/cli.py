@@ -330,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(sglang: /update_weights_from_disk; vllm: its RL routes, VLLM_SERVER_DEV_MODE=1)",
     )
     w.add_argument(
+        "--images-api",
+        choices=["sglang"],
+        default=None,
+        help="openai backend: a vision-language model's images go to the upstream SGLang "
+        "server's native /generate (input_ids + image_data); without it the model serves "
+        "text only (vLLM's OpenAI-compatible server takes no images with token-id prompts)",
+    )
+    w.add_argument(
         "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
     )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
@@ -577,6 +585,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
             api_key=args.upstream_api_key,
             logprobs_mode=mode,
             weights_api=args.weights_api,
+            images_api=args.images_api,
         )
     else:
         from worker_client.backends.vllm import VLLMEngine

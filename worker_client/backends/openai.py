@@ -26,6 +26,24 @@ The worker is idle when it commits (every request of this worker has finished or
 aborted). The server loads at commit, so a checkpoint it cannot read fails that commit
 and the worker is taken out of service; ``stage_weights`` refuses at once a path that the
 worker can see and that holds no ``config.json``.
+
+Images (a vision-language model, ``images_api``: the worker's ``--images-api``): token-id
+prompts with images need a server route that takes both. ``/v1/completions`` carries no
+images in vLLM or SGLang, and vLLM's OpenAI-compatible server has no route that takes
+token ids and images together, so a worker in front of a vLLM server serves text only: its
+card names no image token (the proxy refuses images for the model), and images that reach it
+fail the request. With ``images_api="sglang"`` the card names the ``image_token_id`` of the
+model's ``config.json``, and a request with images goes to SGLang's native ``POST
+/generate`` (the server's root, beside the admin routes): ``input_ids`` with each image's
+span collapsed to one placeholder (SGLang expands it with its own processor, and counts one
+image per placeholder), ``image_data`` with one data URL of the agent's bytes per image, in
+order, ``sampling_params`` as above (``max_new_tokens``, ``sampling_seed``, top-k ``-1`` off),
+``return_logprob`` and ``return_prompt_token_ids``, streamed. SGLang streams cumulative
+``output_ids`` (or deltas with ``--incremental-streaming-output``); ``meta_info``'s
+``completion_tokens`` says how many of the last ids are new. The first event's
+``prompt_token_ids`` (SGLang's ids after its expansion) must be the expanded ids the proxy
+sent, or the request fails before any token goes out. Text requests keep
+``/v1/completions``.
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ from typing import Any
 
 import aiohttp
 
+from worker_client.backends.placeholders import check_expansion, collapse_images, data_url
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -47,7 +66,6 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
-    refuse_images,
 )
 from worker_client.exceptions import (
     EngineError,
@@ -59,6 +77,7 @@ from worker_client.policy import StagedPath
 
 BACKEND = "openai"
 WEIGHTS_APIS = ("sglang", "vllm")
+IMAGES_APIS = ("sglang",)
 
 _FINISH: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
@@ -115,6 +134,93 @@ def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
     return TokenChunk([int(t) for t in token_ids], [float(lp) for lp in logprobs or []], finish)
 
 
+def sglang_generate_request(
+    prompt_ids: Sequence[int],
+    images: Sequence[ImageSpan],
+    image_token_id: int,
+    sampling: SamplingParams,
+) -> dict[str, Any]:
+    """SGLang's native ``/generate`` body for a prompt with images (``prompt_ids`` expanded
+    as the proxy sends them; the body holds one placeholder per image)."""
+    ordered = sorted(images, key=lambda span: span.start)
+    params: dict[str, Any] = {
+        "max_new_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    return {
+        "input_ids": collapse_images(prompt_ids, ordered, image_token_id),
+        "image_data": [data_url(span) for span in ordered],
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "return_prompt_token_ids": True,
+        "stream": True,
+    }
+
+
+class SGLangStream:
+    """Turns the events of one streamed SGLang ``/generate`` into ``TokenChunk``s, checking
+    the first event's prompt ids against the proxy's expanded ``prompt_ids``."""
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        self._expected: list[int] | None = id_list(prompt_ids)
+        self._sent = 0
+
+    def chunk(self, event: dict[str, Any]) -> TokenChunk:
+        error = event.get("error")
+        if error is not None:
+            message = error.get("message") if isinstance(error, dict) else error
+            raise EngineError(f"SGLang failed the request: {message}")
+        if self._expected is not None:
+            check_expansion("SGLang", self._expected, event.get("prompt_token_ids"))
+            self._expected = None
+        meta = event.get("meta_info") or {}
+        total = meta.get("completion_tokens")
+        ids = event.get("output_ids")
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(total, int) or not isinstance(ids, list):
+            raise EngineError("SGLang answered without output_ids and completion_tokens")
+        new = total - self._sent
+        if entries is None or len(entries) != len(ids):
+            raise EngineError(
+                "SGLang returned output ids without one logprob each (return_logprob?)"
+            )
+        if not 0 <= new <= len(ids):
+            raise EngineError(
+                f"SGLang reported {total} completion tokens after {self._sent}, "
+                f"with {len(ids)} output ids in the event"
+            )
+        fresh = ids[len(ids) - new :]
+        scored = entries[len(entries) - new :]
+        if any(int(entry[1]) != int(token) for entry, token in zip(scored, fresh, strict=True)):
+            raise EngineError("SGLang's logprobs are not those of its output ids")
+        self._sent = total
+        return TokenChunk(
+            [int(t) for t in fresh],
+            [float(entry[0]) for entry in scored],
+            _sglang_finish(meta.get("finish_reason")),
+        )
+
+
+def _sglang_finish(reason: Any) -> FinishReason | None:
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    finish = _FINISH.get(str(kind))
+    if finish is None:
+        raise EngineError(f"SGLang ended the request with finish reason {reason!r}")
+    return finish
+
+
 class OpenAIEngine(StagedPath):
     def __init__(
         self,
@@ -125,12 +231,23 @@ class OpenAIEngine(StagedPath):
         api_key: str | None = None,
         timeout_seconds: float = 600.0,
         weights_api: str | None = None,
+        images_api: str | None = None,
     ) -> None:
         if weights_api is not None and weights_api not in WEIGHTS_APIS:
             raise EngineUnavailableError(
                 f"weights_api must be one of {', '.join(WEIGHTS_APIS)}, not {weights_api!r}"
             )
+        if images_api is not None and images_api not in IMAGES_APIS:
+            raise EngineUnavailableError(
+                f"images_api must be one of {', '.join(IMAGES_APIS)}, not {images_api!r}"
+            )
+        if images_api is not None and card.image_token_id is None:
+            raise EngineUnavailableError(
+                f"images_api={images_api!r} needs a vision-language model: {card.name}'s "
+                "card names no image token"
+            )
         self.weights_api = weights_api
+        self.images_api = images_api
         self.base_url = base_url.rstrip("/")
         self._card = card
         self.upstream_model = upstream_model
@@ -154,26 +271,44 @@ class OpenAIEngine(StagedPath):
         max_model_len: int | None = None,
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         weights_api: str | None = None,
+        images_api: str | None = None,
     ) -> OpenAIEngine:
         """``model_dir`` holds the model's tokenizer and config (the proxy renders with
-        them); ``base_url`` is the upstream's ``.../v1``."""
+        them); ``base_url`` is the upstream's ``.../v1``. ``images_api="sglang"``: a
+        vision-language model whose images go to the SGLang server's ``/generate``."""
+        if images_api is not None and images_api not in IMAGES_APIS:
+            raise EngineUnavailableError(
+                f"images_api must be one of {', '.join(IMAGES_APIS)}, not {images_api!r}"
+            )
         path = Path(model_dir)
         window = max_model_len
-        if window is None:
+        image_token = None
+        if window is None or images_api is not None:
             try:
                 config = json.loads((path / "config.json").read_text())
             except (OSError, ValueError) as exc:
                 raise EngineUnavailableError(f"{path}: no readable config.json: {exc}") from exc
-            window = int(config.get("max_position_embeddings", 0)) or None
+            if window is None:
+                window = int(config.get("max_position_embeddings", 0)) or None
+            if images_api is not None:
+                image_token = config.get("image_token_id")
+                if not isinstance(image_token, int) or isinstance(image_token, bool):
+                    raise EngineUnavailableError(
+                        f"images_api={images_api!r}: {path}/config.json names no image_token_id "
+                        "(not a vision-language model?)"
+                    )
         if window is None:
             raise EngineUnavailableError("give max_model_len: config.json declares no window")
-        card = ModelCard(name or path.name, window, LogprobsMode(logprobs_mode), BACKEND)
+        card = ModelCard(
+            name or path.name, window, LogprobsMode(logprobs_mode), BACKEND, image_token
+        )
         return cls(
             base_url,
             card,
             upstream_model=upstream_model or card.name,
             api_key=api_key,
             weights_api=weights_api,
+            images_api=images_api,
         )
 
     @property
@@ -192,7 +327,14 @@ class OpenAIEngine(StagedPath):
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
     ) -> AsyncGenerator[TokenChunk, None]:
-        refuse_images(self._card, images)
+        if images:
+            stream = self._generate_with_images(request_id, prompt_ids, sampling, images)
+            try:
+                async for image_chunk in stream:
+                    yield image_chunk
+            finally:
+                await stream.aclose()
+            return
         check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
         aborted = self._running.setdefault(request_id, asyncio.Event())
@@ -224,6 +366,53 @@ class OpenAIEngine(StagedPath):
         finally:
             self._running.pop(request_id, None)
         raise EngineError("the upstream stream ended without a finish reason")
+
+    async def _generate_with_images(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan],
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """A request with images, through SGLang's native ``/generate``."""
+        image_token = self._card.image_token_id
+        if self.images_api != "sglang" or image_token is None:
+            raise EngineError(
+                f"model {self._card.name} ({BACKEND} backend) takes no images here: token-id "
+                "prompts with images need SGLang's /generate (--images-api sglang); vLLM's "
+                "OpenAI-compatible server takes no images with a token-id prompt (run vLLM "
+                "in-process with the vllm backend instead)"
+            )
+        check_prompt(self._card, prompt_ids)
+        body = await asyncio.to_thread(
+            sglang_generate_request, prompt_ids, images, image_token, sampling
+        )
+        events = SGLangStream(prompt_ids)
+        aborted = self._running.setdefault(request_id, asyncio.Event())
+        try:
+            async with self._session().post(f"{self.server_url}/generate", json=body) as response:
+                if response.status >= 400:
+                    text = (await response.text())[:500]
+                    if response.status == 400 and "context" in text.lower():
+                        raise PromptTooLongError(text)
+                    raise EngineError(f"SGLang /generate answered {response.status}: {text}")
+                async for data in _sse_data(response.content):
+                    if aborted.is_set():
+                        yield TokenChunk([], [], FinishReason.ABORT)
+                        return
+                    if data == b"[DONE]":
+                        break
+                    chunk = events.chunk(json.loads(data))
+                    if chunk.finish_reason is None and not chunk.token_ids:
+                        continue
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"SGLang {self.server_url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._running.pop(request_id, None)
+        raise EngineError("SGLang's stream ended without a finish reason")
 
     async def abort(self, request_id: str) -> None:
         event = self._running.get(request_id)
@@ -290,6 +479,24 @@ class OpenAIEngine(StagedPath):
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
+    """The ``data:`` payloads of a server-sent event stream, however long a line is (an
+    SGLang event repeats the prompt's ids and every output id so far: far past aiohttp's
+    line limit on a long prompt)."""
+    line = bytearray()
+    async for piece in content.iter_any():
+        start = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            line += piece[start:end]
+            if line.startswith(b"data:"):
+                yield bytes(line[5:]).strip()
+            line.clear()
+            start = end + 1
+        line += piece[start:]
+    if line.startswith(b"data:"):
+        yield bytes(line[5:]).strip()
 
 
 def _visible_without_config(path: str) -> bool:
