@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from bench.harness import wait_for_model
-from bench.processes import ADMIN_TOKEN, Proc, Processes
+from bench.processes import ADMIN_TOKEN, Proc, Processes, wait_http
 
 MODEL = "tiny-vlm"
 
@@ -116,6 +116,7 @@ async def measure(turns: int, conversations: int, log_dir: Path) -> dict[str, An
 
     with Processes(log_dir) as procs:
         proxy = procs.proxy(["--max-body-bytes", str(256 * 2**20)])
+        wait_http(proxy, "/healthz")
         procs.instant_worker(proxy, SHIPPED_TINY_VLM, reply_tokens=16, name=MODEL)
         await wait_for_model(proxy.url, MODEL)
         results: dict[str, Any] = {}
