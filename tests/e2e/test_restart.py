@@ -275,3 +275,60 @@ def test_kill_9_under_load_trains_only_what_the_agents_received(proxy: Proxy) ->
         export = _json("GET", f"{proxy.url}/sessions/{trial['trial_id']}/trajectories")
         assert len(received[n]) >= 4
         assert sorted(_trained(export)) == sorted(received[n])
+
+
+def test_kill_9_keeps_every_image_of_an_acknowledged_turn(tmp_path: Path) -> None:
+    """A vision-language session: each image is committed with the turn that first used
+    it, so after ``kill -9`` the export, its spans and the image bytes are the same, and the
+    agent's next turn (its history repeating the screenshots) continues the chain."""
+    import base64
+    import hashlib
+
+    from tests.e2e.test_images import GREEN, RED
+    from worker_client.tiny_vlm import SHIPPED_TINY_VLM
+
+    def user(text: str, image: bytes) -> dict[str, Any]:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        return {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": text},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+
+    proxy = Proxy(SHIPPED_TINY_VLM, tmp_path / "data", tmp_path / "cache")
+    try:
+        proxy.start()
+        trial = _json("POST", f"{proxy.url}/sessions", {})
+        tid = trial["trial_id"]
+        agent = OpenAI(base_url=trial["base_url"], api_key=trial["api_key"], max_retries=0)
+        messages: list[dict[str, Any]] = [user("what is this", RED)]
+        reply = agent.chat.completions.create(model="any", messages=messages, seed=1)  # type: ignore[arg-type]
+        messages += [_assistant(reply.choices[0].message), user("and this", GREEN)]
+        stream = agent.chat.completions.create(model="any", messages=messages, seed=2, stream=True)  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "so?"}]
+        paths = [
+            f"/sessions/{tid}/trajectories",
+            *(f"/sessions/{tid}/images/{hashlib.sha256(i).hexdigest()}" for i in (RED, GREEN)),
+        ]
+        before = {path: _request("GET", f"{proxy.url}{path}") for path in paths}
+        assert before[paths[1]] == (200, RED)
+        assert before[paths[2]] == (200, GREEN)
+
+        proxy.kill9()
+        proxy.start()
+
+        assert {path: _request("GET", f"{proxy.url}{path}") for path in paths} == before
+        agent = OpenAI(base_url=trial["base_url"], api_key=trial["api_key"], max_retries=0)
+        agent.chat.completions.create(model="any", messages=messages, seed=3)  # type: ignore[arg-type]
+        (trajectory,) = _json("GET", f"{proxy.url}/sessions/{tid}/trajectories")["trajectories"]
+        assert [t["branch_reason"] for t in trajectory["turns"]] == [
+            "new_session",
+            "continued",
+            "continued",
+        ]
+        assert len(trajectory["multi_modal_data"]["images"]) == 2
+    finally:
+        proxy.stop()
