@@ -521,3 +521,24 @@ async def test_the_viewer_shows_images_in_place(
             async with http.get(vlm_stack.url + image["url"]) as r:
                 assert r.content_type == "image/png"
                 assert await r.read() == sent
+
+
+async def test_anthropic_count_tokens_counts_each_image_as_it_is_expanded(
+    vlm_client: ProxyClient,
+) -> None:
+    """count_tokens gives a new branch's prompt length with each image's real token count:
+    exactly the first turn's recorded prompt."""
+    trial = await new_trial(vlm_client)
+    client = _anthropic(trial)
+    messages: Any = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, anthropic_image(SCREENSHOT)]}
+    ]
+    counted = await client.messages.count_tokens(model="m", messages=messages)
+    await client.messages.create(model="m", max_tokens=8, messages=messages)
+    (trajectory,) = (await vlm_client.trajectories(trial.trial_id))["trajectories"]
+    assert counted.input_tokens == len(trajectory["prompt_ids"])
+    assert (
+        trajectory["multi_modal_data"]["images"][0]["span"][1]
+        - trajectory["multi_modal_data"]["images"][0]["span"][0]
+        == 60
+    )

@@ -31,7 +31,7 @@ from proxy.api.images import take_images
 from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import IMAGES, MODELS, POOL, SERVICE, SESSIONS
 from proxy.chat.messages import ChatMessage, ToolCall
-from proxy.exceptions import ProxyError, ServiceUnavailableError
+from proxy.exceptions import ImageError, ProxyError, ServiceUnavailableError
 from proxy.ids import new_id
 from proxy.models import ServedModel
 from proxy.service import (
@@ -354,11 +354,17 @@ async def count_tokens(request: web.Request) -> web.Response:
     )
     tools = parsed.internal_tools()
     parsed.tool_choice_name()  # validated like a real request
-    renderer = (await _served_model(request, session, parsed.model)).renderer
+    served = await _served_model(request, session, parsed.model)
+    renderer = served.renderer
+    images = [image for message in messages for image in message.images]
+    if images and served.vision is None:
+        raise ImageError(f"model {served.name!r} takes no images", code="images_unsupported")
     if _large(messages):
         ids = await asyncio.to_thread(renderer.render_conversation, messages, tools)
     else:
         ids = renderer.render_conversation(messages, tools)
+    if served.vision is not None and images:
+        ids, _ = served.vision.expand(ids, images)  # each image as many tokens as it takes
     return json_response({"input_tokens": len(ids)})
 
 
