@@ -27,6 +27,9 @@ current policy version are masked (``stale="mask"``) or drop their sample
 the samples are built (``GET /weights``); never older than the newest version among the
 episode's own tokens. ``max_staleness=None`` turns the limit off.
 
+Images: a vision-language episode's samples carry their images (``Sample.images``) with
+their bytes, fetched from the proxy before the session is deleted.
+
 Policy versions: a worker that reports the weights version it sampled with (turn
 ``extra["policy_version"]``, see ``worker_client.policy``) makes every sample carry the
 versions of its turns (``Sample.policy_versions``).
@@ -307,6 +310,8 @@ class RemoteAgentLoop:
             if not samples:
                 attempt.error = _why_no_samples(export, cfg, version)
                 return None
+            # The images' bytes, before the session (and its images) is deleted.
+            await self.proxy.fill_images(trial.trial_id, samples)
             attempt.advance(AttemptState.COLLECTED)
             timings = {
                 "agent_run": agent_seconds,

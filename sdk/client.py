@@ -8,12 +8,15 @@ One ``aiohttp.ClientSession`` is reused for every call (connection pooling); cre
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import ssl
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -26,6 +29,9 @@ from sdk.exceptions import (
 )
 from sdk.http import HttpClient
 
+if TYPE_CHECKING:
+    from sdk.samples import Sample
+
 # How long ``update_weights`` keeps asking by default: the proxy's worst case for one update
 # (three phases of its --weights-phase-seconds, 600 s by default: pause, load, commit or
 # rollback) and a minute for the answer to travel and a retry to join.
@@ -36,6 +42,10 @@ _ERRORS: dict[int, type[ProxyRequestError]] = {
     403: ProxyAuthError,
     404: SessionNotFoundError,
 }
+
+# How many bytes of images ``ProxyClient.image`` keeps (by sha256): every turn of an
+# episode repeats the screenshots of its history, and the branches of a session share them.
+IMAGE_CACHE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +71,7 @@ class ProxyClient(HttpClient):
         timeout_seconds: float = 60.0,
         http: aiohttp.ClientSession | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        image_cache_bytes: int = IMAGE_CACHE_BYTES,
     ) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         # The proxy's admin token; RELAY_ADMIN_TOKEN (the proxy's own variable) by default.
@@ -72,6 +83,10 @@ class ProxyClient(HttpClient):
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         # The proxy replicas' public URLs (GET /cluster); None: not asked yet.
         self._peers: tuple[str, ...] | None = None
+        # Image bytes by sha256, least recently used first, and the fetches under way.
+        self._images: OrderedDict[str, bytes] = OrderedDict()
+        self._image_cache_bytes = image_cache_bytes
+        self._image_fetches: dict[str, asyncio.Future[bytes]] = {}
 
     def __repr__(self) -> str:
         return f"<ProxyClient {self.proxy_url}>"
@@ -95,20 +110,20 @@ class ProxyClient(HttpClient):
         return owner(trial_id, self._peers) if len(self._peers) > 1 else self.proxy_url
 
     async def _trial_request(
-        self, method: str, trial_id: str, path: str, payload: Any = None
+        self, method: str, trial_id: str, path: str, payload: Any = None, *, raw: bool = False
     ) -> Any:
         """A request about one trial, sent to the replica that owns it; through the
         replica this client was given (which forwards it) when the owner's own URL cannot
         be reached from here (a port-forward from outside the cluster)."""
         base = await self._owner(trial_id)
         if base == self.proxy_url:
-            return await self._request(method, path, payload)
+            return await self._request(method, path, payload, raw=raw)
         try:
-            return await self._request(method, path, payload, base=base)
+            return await self._request(method, path, payload, base=base, raw=raw)
         except ProxyConnectionError as exc:
             if not exc.refused:
                 raise
-            return await self._request(method, path, payload)
+            return await self._request(method, path, payload, raw=raw)
 
     async def _request(
         self,
@@ -118,10 +133,12 @@ class ProxyClient(HttpClient):
         *,
         base: str | None = None,
         total_seconds: float | None = None,
+        raw: bool = False,
     ) -> Any:
         """One call; every failure is an ``SdkError``: an answer that is not the API's
         (a load balancer's HTML error page) a ``ProxyRequestError`` with its status, no
-        answer at all (refused, reset, timed out) a ``ProxyConnectionError``."""
+        answer at all (refused, reset, timed out) a ``ProxyConnectionError``. ``raw``: a
+        successful answer's body is returned as bytes, not parsed as JSON."""
         url = f"{base or self.proxy_url}{path}"
         options: dict[str, Any] = {"json": payload, "ssl": self._ssl}
         if total_seconds is not None:
@@ -135,6 +152,8 @@ class ProxyClient(HttpClient):
         except (aiohttp.ClientError, TimeoutError) as exc:
             detail = str(exc) or "no answer in time"
             raise ProxyConnectionError(f"{method} {url}: {type(exc).__name__}: {detail}") from exc
+        if raw and status < 400:
+            return body
         try:
             data = json.loads(body) if body else None
         except ValueError:
@@ -198,6 +217,61 @@ class ProxyClient(HttpClient):
             "GET", trial_id, f"/sessions/{trial_id}/trajectories"
         )
         return result
+
+    async def image(self, trial_id: str, sha256: str) -> bytes:
+        """The bytes of an image the trial's agent sent, as it sent them
+        (``GET /sessions/<trial>/images/<sha256>``), checked against their sha256. Each
+        image is fetched once per client: the bytes are kept by hash (at most
+        ``image_cache_bytes`` of them), and a fetch under way is joined, not repeated.
+        Raises ``ProxyRequestError`` (``image_mismatch``) when the bytes are not the
+        image named."""
+        cached = self._images.get(sha256)
+        if cached is not None:
+            self._images.move_to_end(sha256)
+            return cached
+        running = self._image_fetches.get(sha256)
+        if running is not None:
+            return await asyncio.shield(running)
+        fetch = asyncio.ensure_future(self._fetch_image(trial_id, sha256))
+        self._image_fetches[sha256] = fetch
+        # Forgotten once done (a failed fetch is tried again by the next caller); a
+        # cancelled caller leaves it running for the others that joined it.
+        fetch.add_done_callback(lambda done: self._forget_fetch(sha256, done))
+        return await asyncio.shield(fetch)
+
+    def _forget_fetch(self, sha256: str, fetch: asyncio.Future[bytes]) -> None:
+        if self._image_fetches.get(sha256) is fetch:
+            del self._image_fetches[sha256]
+        if not fetch.cancelled():
+            fetch.exception()  # retrieved: nobody may be left to await it
+
+    async def _fetch_image(self, trial_id: str, sha256: str) -> bytes:
+        path = f"/sessions/{trial_id}/images/{sha256}"
+        data: bytes = await self._trial_request("GET", trial_id, path, raw=True)
+        if hashlib.sha256(data).hexdigest() != sha256.lower():
+            raise ProxyRequestError(
+                502,
+                "invalid_response",
+                "image_mismatch",
+                f"GET {path}: the {len(data)} bytes answered are not that image",
+            )
+        if len(data) <= self._image_cache_bytes:
+            self._images[sha256] = data
+            held = sum(len(b) for b in self._images.values())
+            while held > self._image_cache_bytes:
+                _, dropped = self._images.popitem(last=False)
+                held -= len(dropped)
+        return data
+
+    async def fill_images(self, trial_id: str, samples: Iterable[Sample]) -> None:
+        """Give every image of ``samples`` (built from ``trial_id``'s trajectories) its
+        bytes, each distinct image fetched once (``image``)."""
+        missing = [i for s in samples for i in s.images if i.data is None]
+        hashes = list(dict.fromkeys(i.sha256 for i in missing))
+        fetched = await asyncio.gather(*(self.image(trial_id, h) for h in hashes))
+        found = dict(zip(hashes, fetched, strict=True))
+        for image in missing:
+            image.data = found[image.sha256]
 
     async def complete(
         self, trial_id: str, reward: float | dict[str, float] | None = None

@@ -54,11 +54,22 @@ reply and writing it) or that a retry replaced (another turn's ``retry_of``) is 
 unless a later turn continues it (the agent evidently had it). A trajectory ends before its
 first such turn; one that is then a part of another is dropped, one that starts with one is
 dropped. ``keep_undelivered=True`` trains the export as it is.
+
+Images: a trajectory of a vision-language model carries ``multi_modal_data.images``, one
+entry per image occurrence in ``prompt_ids + response_ids``, in order, each with the
+half-open ``span`` of its (expanded) placeholder tokens there. Every sample keeps the
+images inside its own ids (``Sample.images``, spans in ``prompt_ids + response_ids`` of
+the sample). A cut never splits an image: a prompt cut to ``max_prompt_tokens`` is cut
+after any image it would split (the prompt is then shorter), a response cut at
+``max_response_tokens`` (or where the agent stopped receiving) is cut before it, and the
+images left outside are dropped with their tokens. The bytes are not in the export: the
+agent loop fills ``SampleImage.data`` from the proxy (``ProxyClient.fill_images``).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +99,57 @@ DEFAULT_MAX_STALENESS = 1
 
 
 @dataclass(slots=True)
+class SampleImage:
+    """One image occurrence in a sample: its placeholder tokens are ``[start, end)`` of
+    ``prompt_ids + response_ids``; ``data`` is the image as the agent sent it (None until
+    fetched from the proxy)."""
+
+    sha256: str
+    mime: str
+    width: int
+    height: int
+    start: int
+    end: int
+    data: bytes | None = None
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @classmethod
+    def from_export(cls, entry: dict[str, Any]) -> SampleImage:
+        start, end = (int(x) for x in entry["span"])
+        if not 0 <= start < end:
+            raise ValueError(f"image {str(entry.get('sha256'))[:12]}: bad span {entry['span']}")
+        return cls(
+            sha256=str(entry["sha256"]),
+            mime=str(entry.get("mime") or "application/octet-stream"),
+            width=int(entry.get("width") or 0),
+            height=int(entry.get("height") or 0),
+            start=start,
+            end=end,
+        )
+
+
+def export_images(traj: dict[str, Any]) -> list[SampleImage]:
+    """The images of an exported trajectory, in order (none: no ``multi_modal_data`` key,
+    or an empty list)."""
+    data = traj.get("multi_modal_data") or {}
+    entries = (data.get("images") or []) if isinstance(data, dict) else []
+    images = [SampleImage.from_export(e) for e in entries]
+    for before, after in itertools.pairwise(images):
+        if after.start < before.end:
+            raise ValueError(
+                f"image spans {before.span} and {after.span} overlap or are out of order"
+            )
+    return images
+
+
+@dataclass(slots=True)
 class Sample:
     trial_id: str
     prompt_ids: list[int]
@@ -103,6 +165,8 @@ class Sample:
     # Per response token, the version of the weights that sampled it (-1: mask 0).
     response_versions: list[int] = field(default_factory=list)
     stale_tokens: int = 0  # sampled tokens masked for being older than the limit
+    # The images inside prompt_ids + response_ids, in order (empty: a text sample).
+    images: list[SampleImage] = field(default_factory=list)
 
     @property
     def sampled_tokens(self) -> int:
@@ -208,6 +272,7 @@ def build_samples(
                     v if m else -1 for v, m in zip(draft.versions, mask, strict=True)
                 ],
                 stale_tokens=stale_tokens,
+                images=draft.images,
             )
         )
     return samples
@@ -238,6 +303,7 @@ class _Draft:
     versions: list[int]
     prompt_truncated: bool
     response_truncated: bool
+    images: list[SampleImage] = field(default_factory=list)
 
     def stale_at(self, oldest: int) -> list[int]:
         """Positions of the trained tokens sampled by a version older than ``oldest``."""
@@ -261,22 +327,41 @@ def _draft(
     mask = list(traj["response_mask"])
     logprobs = list(traj["response_logprobs"])
     versions = _versions(traj, len(response))
+    images = export_images(traj)
     prompt_truncated = max_prompt_tokens is not None and len(prompt) > max_prompt_tokens
     if prompt_truncated:
         assert max_prompt_tokens is not None
         if overlong_prompt is OverlongPrompt.DROP:
             return None
         # Kept so the batch has it, but trains nothing: the cut prompt is not what the
-        # recorded logprobs were computed on.
-        prompt = prompt[len(prompt) - max_prompt_tokens :]
+        # recorded logprobs were computed on. An image is never split: the cut moves
+        # past it, and the images before the cut go with their tokens.
+        cut = len(prompt) - max_prompt_tokens
+        for image in images:
+            if image.start < cut < image.end:
+                cut = image.end
+        prompt = prompt[cut:]
         mask = [0] * len(mask)
+        images = [
+            SampleImage(i.sha256, i.mime, i.width, i.height, i.start - cut, i.end - cut)
+            for i in images
+            if i.start >= cut
+        ]
     response_truncated = max_response_tokens is not None and len(response) > max_response_tokens
-    if response_truncated:
-        assert max_response_tokens is not None
-        response = response[:max_response_tokens]
-        mask = mask[:max_response_tokens]
-        logprobs = logprobs[:max_response_tokens]
-        versions = versions[:max_response_tokens]
+    keep = max_response_tokens if response_truncated else len(response)
+    assert keep is not None
+    # An image the response cut (or the end of what the agent received) would split is
+    # left out whole: the response ends before it.
+    for image in images:
+        if image.start < len(prompt) + keep < image.end:
+            keep = max(image.start - len(prompt), 0)
+            response_truncated = True
+    if keep < len(response):
+        response = response[:keep]
+        mask = mask[:keep]
+        logprobs = logprobs[:keep]
+        versions = versions[:keep]
+    images = [i for i in images if i.end <= len(prompt) + len(response)]
     return _Draft(
         branch,
         traj,
@@ -287,6 +372,7 @@ def _draft(
         versions,
         prompt_truncated,
         response_truncated,
+        images,
     )
 
 
