@@ -3,6 +3,16 @@
 A trajectory is faithful when teacher-forcing the model on ``prompt_ids + response_ids``
 gives, at every sampled position, the logprob that was recorded while sampling. This is
 the check a trainer relies on: if it holds, the PPO ratio at the first step is exactly 1.
+
+A trajectory with images (a vision-language model's) is faithful only with the pixels the
+worker saw: it is re-scored with its recorded images at their spans, through a scorer that
+takes them, ``score(prompt_ids, response_ids, images)`` (``sdk.images.VisionScorer.score``;
+the ``hf`` engine's ``score`` for images in the prompt). Scoring its ids alone would check
+another input than the one sampled (the image features missing from the forward, as in a
+training batch without ``pixel_values``), so a trajectory with images and no bytes for them
+is an error, never a silent text-only check. ``check_samples`` checks built samples, whose
+images carry their bytes (``Sample.images``); ``check_fidelity`` takes an export and the
+bytes by sha256.
 """
 
 from __future__ import annotations
@@ -11,8 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# score(prompt_ids, response_ids) -> logprob of each response id under the model
-Scorer = Callable[[Sequence[int], Sequence[int]], list[float]]
+from sdk.samples import Sample, SampleImage, export_images
+from worker_client.engine import ImageSpan
+
+# score(prompt_ids, response_ids) -> logprob of each response id under the model; for a
+# trajectory with images, score(prompt_ids, response_ids, images) with the images
+# (``ImageSpan``: bytes and span in prompt_ids + response_ids) in order.
+Scorer = Callable[..., list[float]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,41 +36,98 @@ class FidelityReport:
     sampled_tokens: int
     max_abs_error: float
     worst_position: tuple[int, int] | None  # (trajectory, response index)
+    images: int = 0  # images the check re-scored with
 
     def ok(self, tolerance: float = 1e-4) -> bool:
         return self.sampled_tokens > 0 and self.max_abs_error <= tolerance
 
 
-def check_fidelity(export: dict[str, Any], score: Scorer) -> FidelityReport:
-    worst = 0.0
-    where: tuple[int, int] | None = None
-    sampled = 0
-    trajectories = export["trajectories"]
-    for t, traj in enumerate(trajectories):
-        expected = score(traj["prompt_ids"], traj["response_ids"])
-        if len(expected) != len(traj["response_ids"]):
-            raise ValueError("scorer returned a wrong number of logprobs")
-        for i, (m, recorded, actual) in enumerate(
-            zip(traj["response_mask"], traj["response_logprobs"], expected, strict=True)
-        ):
+def _spans(
+    images: Sequence[SampleImage], data: Mapping[str, bytes] | None, where: str
+) -> list[ImageSpan]:
+    spans = []
+    for image in images:
+        found = image.data if image.data is not None else (data or {}).get(image.sha256)
+        if found is None:
+            raise ValueError(
+                f"{where} holds image {image.sha256[:12]} but not its bytes: it can only be "
+                "re-scored with the pixels it was sampled with (pass images= by sha256, or "
+                "samples whose images were filled: ProxyClient.fill_images)"
+            )
+        spans.append(ImageSpan(image.sha256, found, image.start, image.end))
+    return spans
+
+
+def _scored(
+    score: Scorer,
+    prompt: Sequence[int],
+    response: Sequence[int],
+    spans: Sequence[ImageSpan],
+) -> list[float]:
+    expected = score(prompt, response, spans) if spans else score(prompt, response)
+    if len(expected) != len(response):
+        raise ValueError("scorer returned a wrong number of logprobs")
+    return expected
+
+
+class _Worst:
+    def __init__(self) -> None:
+        self.error = 0.0
+        self.where: tuple[int, int] | None = None
+        self.sampled = 0
+
+    def add(
+        self, t: int, mask: Sequence[int], recorded: Sequence[float], actual: Sequence[float]
+    ) -> None:
+        for i, (m, r, a) in enumerate(zip(mask, recorded, actual, strict=True)):
             if not m:
                 continue
-            sampled += 1
-            err = abs(recorded - actual)
-            if err > worst or where is None:
-                worst, where = max(worst, err), (t, i)
-    return FidelityReport(len(trajectories), sampled, worst, where)
+            self.sampled += 1
+            err = abs(r - a)
+            if err > self.error or self.where is None:
+                self.error, self.where = max(self.error, err), (t, i)
+
+
+def check_fidelity(
+    export: dict[str, Any], score: Scorer, *, images: Mapping[str, bytes] | None = None
+) -> FidelityReport:
+    """Every trajectory of ``export`` re-scored; ``images``: the bytes of its images by
+    sha256 (``ProxyClient.image``), required when it has any."""
+    worst = _Worst()
+    used = 0
+    trajectories = export["trajectories"]
+    for t, traj in enumerate(trajectories):
+        spans = _spans(export_images(traj), images, f"trajectory {t}")
+        used += len(spans)
+        expected = _scored(score, traj["prompt_ids"], traj["response_ids"], spans)
+        worst.add(t, traj["response_mask"], traj["response_logprobs"], expected)
+    return FidelityReport(len(trajectories), worst.sampled, worst.error, worst.where, used)
+
+
+def check_samples(samples: Sequence[Sample], score: Scorer) -> FidelityReport:
+    """Built samples re-scored, each with its images' recorded bytes (positions in the
+    report are (sample, response index))."""
+    worst = _Worst()
+    used = 0
+    for t, sample in enumerate(samples):
+        spans = _spans(sample.images, None, f"sample {t} (trial {sample.trial_id})")
+        used += len(spans)
+        expected = _scored(score, sample.prompt_ids, sample.response_ids, spans)
+        worst.add(t, sample.response_mask, sample.response_logprobs, expected)
+    return FidelityReport(len(samples), worst.sampled, worst.error, worst.where, used)
 
 
 def check_fidelity_by_version(
-    export: dict[str, Any], scorers: Mapping[int, Scorer]
+    export: dict[str, Any],
+    scorers: Mapping[int, Scorer],
+    *,
+    images: Mapping[str, bytes] | None = None,
 ) -> FidelityReport:
     """``check_fidelity`` for trajectories sampled by several policy versions: each sampled
     token is scored by the model of the version that sampled it (``response_versions``);
     ``scorers`` maps a version to its model's scorer."""
-    worst = 0.0
-    where: tuple[int, int] | None = None
-    sampled = 0
+    worst = _Worst()
+    used = 0
     trajectories = export["trajectories"]
     for t, traj in enumerate(trajectories):
         versions = traj["response_versions"]
@@ -63,14 +135,14 @@ def check_fidelity_by_version(
         missing = needed - scorers.keys()
         if missing:
             raise ValueError(f"no scorer for versions {sorted(missing)}")
-        expected = {v: scorers[v](traj["prompt_ids"], traj["response_ids"]) for v in needed}
-        for i, (m, recorded) in enumerate(
-            zip(traj["response_mask"], traj["response_logprobs"], strict=True)
-        ):
-            if not m:
-                continue
-            sampled += 1
-            err = abs(recorded - expected[versions[i]][i])
-            if err > worst or where is None:
-                worst, where = max(worst, err), (t, i)
-    return FidelityReport(len(trajectories), sampled, worst, where)
+        spans = _spans(export_images(traj), images, f"trajectory {t}")
+        used += len(spans)
+        expected = {
+            v: _scored(scorers[v], traj["prompt_ids"], traj["response_ids"], spans) for v in needed
+        }
+        actual = [
+            expected[v][i] if m else 0.0
+            for i, (v, m) in enumerate(zip(versions, traj["response_mask"], strict=True))
+        ]
+        worst.add(t, traj["response_mask"], traj["response_logprobs"], actual)
+    return FidelityReport(len(trajectories), worst.sampled, worst.error, worst.where, used)
