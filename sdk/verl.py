@@ -13,7 +13,15 @@ returns verl's ``AgentLoopOutput`` for ONE trajectory of the session:
 * ``reward_score``: the task server's reward; ``num_turns``: model calls in the trajectory;
 * ``extra_fields``: ``min_global_steps`` / ``max_global_steps`` (verl's own names) and
   ``policy_versions`` (per turn), ``trial_id``, ``attempts``;
-* ``metrics.generate_sequences``: seconds the agent run took.
+* ``metrics.generate_sequences``: seconds the agent run took;
+* ``multi_modal_data``: for a vision-language episode, ``{"images": [PIL images]}``, every
+  image inside the ids in order (decoded as the worker decoded it: first frame, RGB). verl's
+  agent loop runs its processor over them for ``pixel_values`` / ``image_grid_thw`` and
+  builds its 4-row position ids (text positions over the three M-RoPE rows) from them. The
+  ids hold each image's placeholders already expanded; before answering, each image's span
+  is checked against the token count verl's processor gives it, and an episode with images
+  is refused when verl gave the loop no processor (verl would train the ids without their
+  pixels).
 
 verl expects one output per sample, so the branch policy is ``longest`` (default) or
 ``last`` (see ``sdk.samples``).
@@ -77,6 +85,7 @@ from sdk.agent_loop import AgentLoopConfig, RolloutResult
 from sdk.agent_loop import RemoteAgentLoop as AgentLoopCore
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError
+from sdk.images import ImageSpanError, decode, forward_inputs
 from sdk.samples import (
     DEFAULT_MAX_STALENESS,
     BranchPolicy,
@@ -220,7 +229,26 @@ def trial_sampling(
     return sampling
 
 
-def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
+def multi_modal_data(sample: Sample, processor: Any) -> dict[str, Any] | None:
+    """verl's ``multi_modal_data`` for ``sample`` (None: it has no image), after checking
+    its images against verl's processor: each span holds the tokens the processor gives
+    its image, and every image token of the ids belongs to an image."""
+    if not sample.images:
+        return None
+    if processor is None:
+        raise ImageSpanError(
+            f"{AGENT_NAME}: trial {sample.trial_id} has {len(sample.images)} image(s) but verl "
+            "gave the agent loop no processor: train a vision-language model with its "
+            "processor, or its ids would train without their pixels"
+        )
+    image_processor = getattr(processor, "image_processor", None) or processor
+    forward_inputs(
+        sample, image_processor, image_token_id=getattr(processor, "image_token_id", None)
+    )
+    return {"images": [decode(image) for image in sample.images]}
+
+
+def to_output(sample: Sample, result: RolloutResult, processor: Any = None) -> AgentLoopOutput:
     # verl's staleness fields (its trainer logs trajectory_staleness from them, its replay
     # buffer bounds them): the oldest and newest weights that sampled a trained token.
     extra = {
@@ -234,6 +262,9 @@ def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
         "stale_tokens": sample.stale_tokens,
         "current_version": result.current_version,
     }
+    # Only set when there are images: verl's as_dict leaves unset fields out.
+    images = multi_modal_data(sample, processor)
+    media = {} if images is None else {"multi_modal_data": images}
     return AgentLoopOutput(
         prompt_ids=sample.prompt_ids,
         response_ids=sample.response_ids,
@@ -243,6 +274,7 @@ def to_output(sample: Sample, result: RolloutResult) -> AgentLoopOutput:
         num_turns=sample.num_turns,
         metrics=AgentLoopMetrics(generate_sequences=result.timings.get("agent_run", 0.0)),
         extra_fields=extra,
+        **media,
     )
 
 
@@ -356,7 +388,7 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
             if settings.on_failure == "raise":
                 raise
             return self._failed_output(kwargs, exc)
-        return to_output(result.samples[0], result)
+        return to_output(result.samples[0], result, self.processor)
 
     def _failed_output(
         self, row: Mapping[str, Any], error: RemoteAgentLoopError

@@ -10,6 +10,7 @@ import hashlib
 import io
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,6 +132,7 @@ async def one_turn(stack: Stack, image: bytes = RED) -> Sample:
         reward=None,
         num_turns=1,
         branch=0,
+        response_versions=[0] * len(tokens),
         images=images,
     )
 
@@ -151,6 +153,7 @@ async def two_turns(stack: Stack) -> Sample:
         response_mask=mask,
         response_logprobs=first.response_logprobs + [0.0] * len(between) + logprobs,
         num_turns=2,
+        response_versions=[0 if m else -1 for m in mask],
         images=first.images + later,
     )
 
@@ -277,3 +280,84 @@ async def test_the_fidelity_check_re_scores_with_the_recorded_pixels(stack: Stac
     assert not check_fidelity(
         {"trajectories": [traj]}, scorer.score, images={sha(GREEN): GREEN}
     ).ok()
+
+
+def verl_processor(stack: Stack) -> Any:
+    """Qwen3-VL's processor as verl's ``hf_processor`` makes it (the model's
+    ``get_rope_index`` and ``get_vision_position_ids`` bound to it), without the video processor, which needs torchvision
+    (not installable on a CPU-only machine); images never reach it."""
+    import types
+
+    from transformers.models.qwen3_vl import Qwen3VLModel, Qwen3VLProcessor
+
+    class ImagesOnly(Qwen3VLProcessor):  # type: ignore[misc]
+        def check_argument_for_proper_class(self, name: str, argument: Any) -> Any:
+            if name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(name, argument)
+
+    processor = ImagesOnly(
+        image_processor=stack.processor, tokenizer=stack.tokenizer, video_processor=None
+    )
+    processor.config = stack.model.config
+    for name in ("get_rope_index", "get_vision_position_ids"):
+        setattr(processor, name, types.MethodType(getattr(Qwen3VLModel, name), processor))
+    return processor
+
+
+async def test_verl_builds_the_same_inputs_from_the_adapter_output(stack: Stack) -> None:
+    """The verl adapter's output carries the images as PIL images; verl's own agent-loop
+    code (its processor inputs and its 4-row position ids) turns it into the helper's
+    inputs, and the forward on them reproduces the sampled logprobs. Without a processor
+    an episode with images is refused."""
+    pytest.importorskip("verl.experimental.agent_loop.agent_loop")
+    from types import SimpleNamespace
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from sdk.agent_loop import RolloutResult
+    from sdk.verl import to_output
+
+    sample = await two_turns(stack)
+    result = RolloutResult(Path("task"), "t", [sample], None, {}, [], {})
+    processor = verl_processor(stack)
+    output = to_output(sample, result, processor)
+    images = output.multi_modal_data["images"]
+    assert [im.size for im in images] == [(64, 48), (128, 96)]
+
+    # verl decodes the ids with skip_special_tokens=True before its processor re-expands the
+    # placeholders; this tokenizer registers <|image_pad|> as a special token (as Qwen's
+    # list it among their additional special tokens), which that decode would drop, leaving
+    # the processor no placeholder for the images. The decode here keeps them.
+    tokenizer = SimpleNamespace(
+        decode=lambda ids, skip_special_tokens=False: stack.tokenizer.decode(ids)
+    )
+    worker = SimpleNamespace(
+        processor=processor,
+        tokenizer=tokenizer,
+        _get_mm_processor_kwargs=lambda audios=None: {},
+    )
+    input_ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    attention = torch.ones_like(input_ids)
+    verl_inputs = AgentLoopWorker._compute_multi_modal_inputs(worker, output, input_ids)
+    positions = AgentLoopWorker._compute_position_ids(worker, input_ids, attention, verl_inputs)
+    ours = forward_inputs(sample, stack.processor, stack.model)
+    assert torch.equal(verl_inputs["image_grid_thw"], ours["image_grid_thw"])
+    assert torch.equal(verl_inputs["pixel_values"], ours["pixel_values"])
+    assert torch.equal(positions, verl_position_ids(ours["position_ids"]))
+
+    batch = {
+        "input_ids": input_ids,
+        "pixel_values": verl_inputs["pixel_values"],
+        "image_grid_thw": verl_inputs["image_grid_thw"],
+        "mm_token_type_ids": ours["mm_token_type_ids"],
+        "position_ids": positions.transpose(0, 1),  # verl's (1, 4, L) as the model's (4, 1, L)
+    }
+    scored = response_logprobs(stack.model, batch, len(sample.prompt_ids))
+    assert sampled_error(sample, scored) <= 1e-4
+
+    with pytest.raises(ImageSpanError, match="no processor"):
+        to_output(sample, result, None)
+    short = replace(sample, images=[replace(sample.images[0], end=sample.images[0].end - 1)])
+    with pytest.raises(ImageSpanError):
+        to_output(short, result, processor)
