@@ -60,6 +60,14 @@ calling the tools, generating again) and ignores ``env_mask``, so tool results w
 trained as the policy's own tokens. The agent does its tool calls through the proxy
 instead; the rollout refuses a trainer with tools.
 
+Images: not with a vision-language episode. TRL 1.16's ``rollout_func`` returns ids,
+logprobs and per-completion extras (forwarded to the reward functions only); the pixels of
+its forward come from the dataset's ``image``/``images`` columns run through its processor
+with the dataset prompt, never from what the rollout returns. The images an agent sent
+during an episode cannot reach TRL's forward, which would train their placeholder tokens
+without their pixels: ``rollout_output`` refuses a sample with images
+(``VisionRolloutError``). Train vision-language agents through the verl adapter.
+
 Memory: ``history`` keeps the last ``keep_batches`` batches (default 1), for inspection and
 ``on_batch``; a caller that needs every step's figures records them in ``on_batch``.
 """
@@ -386,6 +394,7 @@ class RelayRollout:
         started = time.monotonic()
         results = self.loop.run(self._episodes(prompts, self.served_version))
         samples = [result.samples[0] for result in results]
+        refuse_images(samples)  # before anything else sees the batch
         batch = RolloutBatch(
             step=self.served_version,
             results=results,
@@ -417,8 +426,27 @@ def refuse_trl_tools(trainer: Any) -> None:
         )
 
 
+class VisionRolloutError(ValueError):
+    """A sample with images given to TRL, whose ``rollout_func`` cannot carry them."""
+
+
+def refuse_images(samples: Sequence[Sample]) -> None:
+    """TRL (1.16) takes no images from a ``rollout_func``: see the module docstring."""
+    with_images = [s for s in samples if s.images]
+    if with_images:
+        first = with_images[0]
+        raise VisionRolloutError(
+            f"{len(with_images)} of {len(samples)} episodes hold images (trial "
+            f"{first.trial_id}: {len(first.images)}): TRL's rollout_func cannot pass images "
+            "to the trainer's forward, which would train their placeholder tokens without "
+            "their pixels. Train vision-language agents with the verl adapter (sdk.verl)."
+        )
+
+
 def rollout_output(samples: Sequence[Sample]) -> dict[str, list[Any]]:
-    """The dict TRL's ``rollout_func`` returns, one entry per sample, in order."""
+    """The dict TRL's ``rollout_func`` returns, one entry per sample, in order; a sample
+    with images is refused (``VisionRolloutError``)."""
+    refuse_images(samples)
     return {
         "prompt_ids": [list(s.prompt_ids) for s in samples],
         "completion_ids": [list(s.response_ids) for s in samples],

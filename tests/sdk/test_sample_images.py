@@ -144,6 +144,7 @@ class StandIn:
         self.export = export
         self.fetched: Counter[str] = Counter()
         self.deleted: list[str] = []
+        self.alive = {"trial-1"}
         self.url = ""
         self.gate: asyncio.Event | None = None
         self.arrived = asyncio.Event()  # an image was asked for
@@ -175,7 +176,7 @@ class StandIn:
 
     def _known(self, request: web.Request) -> str:
         trial = request.match_info["trial"]
-        if trial in self.deleted:
+        if trial not in self.alive:
             raise web.HTTPNotFound(
                 text='{"error": {"type": "not_found", "message": "no such trial"}}',
                 content_type="application/json",
@@ -183,6 +184,7 @@ class StandIn:
         return trial
 
     async def _create(self, request: web.Request) -> web.Response:
+        self.alive.add("trial-1")
         return web.json_response(
             {"trial_id": "trial-1", "base_url": f"{self.url}/trial-1/v1", "api_key": "k"}
         )
@@ -210,6 +212,7 @@ class StandIn:
 
     async def _delete(self, request: web.Request) -> web.Response:
         self.deleted.append(self._known(request))
+        self.alive.discard(self.deleted[-1])
         return web.json_response({})
 
     async def _weights(self, request: web.Request) -> web.Response:
@@ -303,3 +306,40 @@ async def test_the_agent_loop_fills_the_bytes_before_deleting_the_session(
     (sample,) = result.samples
     assert [i.data for i in sample.images] == [RED, BLUE]
     assert stand_in.deleted == ["trial-1"]
+
+
+async def test_trl_refuses_an_episode_with_images(stand_in: StandIn, tmp_path: Any) -> None:
+    """TRL's rollout_func cannot carry images to its forward: RelayRollout refuses a
+    vision-language episode with a clear error instead of returning ids without pixels;
+    a text episode goes through."""
+    from types import SimpleNamespace
+
+    from sdk.trl import BackgroundLoop, RelayRollout, VisionRolloutError, rollout_output
+
+    async def agent(spec: RunSpec) -> Mapping[str, float]:
+        return {"reward": 1.0}
+
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(wait_for_everyone=lambda: None, is_main_process=True),
+        state=SimpleNamespace(global_step=0),
+        tools=None,
+        environment_factories=None,
+    )
+    with BackgroundLoop() as loop:
+        client = ProxyClient(stand_in.url, admin_token=TOKEN)
+        config = AgentLoopConfig(agent="a", branch_policy=BranchPolicy.LONGEST, max_attempts=1)
+        rollout = RelayRollout(
+            loop, client, RemoteAgentLoop(client, InProcessTaskServer(agent), config), tmp_path
+        )
+        # The rollout blocks its caller (TRL's thread) while the stand-in answers here.
+        with pytest.raises(VisionRolloutError, match="cannot pass images"):
+            await asyncio.to_thread(rollout, ["task"], trainer)
+        text = trajectory()
+        del text["multi_modal_data"]
+        stand_in.export = export_of(text)
+        output = await asyncio.to_thread(rollout, ["task"], trainer)
+        assert output["completion_ids"] == [text["response_ids"]]
+        await asyncio.wrap_future(loop.submit(client.aclose()))
+    (sample,) = build_samples(export_of(trajectory()))
+    with pytest.raises(VisionRolloutError):
+        rollout_output([sample])
