@@ -91,3 +91,13 @@ class TaskDefinitionError(TaskServerError):
 class RoutingReplayError(SdkError):
     """Recorded expert routing cannot be replayed on this model: it has no routers, or the
     rows' layers, experts per token, expert ids or positions do not fit it."""
+
+
+class ImageSpanError(SdkError, ValueError):
+    """A sample's image placeholders do not fit its images under this model's processor
+    (a span of another length than the processor gives, an image token no image claims,
+    bytes missing or not the ones hashed)."""
+
+
+class VisionRolloutError(SdkError, ValueError):
+    """An episode with images handed to a trainer path that cannot take its pixels."""

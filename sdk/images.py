@@ -28,12 +28,10 @@ import io
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sdk.exceptions import ImageSpanError
+
 if TYPE_CHECKING:
     from sdk.samples import Sample
-
-
-class ImageSpanError(ValueError):
-    """A sample's image placeholders do not fit its images under this model's processor."""
 
 
 class ImageLike(Protocol):

@@ -88,6 +88,7 @@ from typing import Any, TypeVar
 
 from sdk.agent_loop import RemoteAgentLoop, RolloutResult
 from sdk.client import ProxyClient
+from sdk.exceptions import VisionRolloutError
 from sdk.samples import BranchPolicy, Sample
 
 log = logging.getLogger(__name__)
@@ -424,10 +425,6 @@ def refuse_trl_tools(trainer: Any) -> None:
             "and ignore env_mask, training tool results as the policy's tokens. Give the "
             "tools to the agent, which calls them through the proxy, and none to the trainer."
         )
-
-
-class VisionRolloutError(ValueError):
-    """A sample with images given to TRL, whose ``rollout_func`` cannot carry them."""
 
 
 def refuse_images(samples: Sequence[Sample]) -> None:

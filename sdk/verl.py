@@ -84,8 +84,8 @@ from verl.experimental.agent_loop.agent_loop import (
 from sdk.agent_loop import AgentLoopConfig, RolloutResult
 from sdk.agent_loop import RemoteAgentLoop as AgentLoopCore
 from sdk.client import ProxyClient
-from sdk.exceptions import RemoteAgentLoopError
-from sdk.images import ImageSpanError, decode, forward_inputs
+from sdk.exceptions import ImageSpanError, RemoteAgentLoopError
+from sdk.images import decode, forward_inputs
 from sdk.samples import (
     DEFAULT_MAX_STALENESS,
     BranchPolicy,

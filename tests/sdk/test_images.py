@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
+from sdk.exceptions import ImageSpanError
 from sdk.fidelity import check_fidelity, check_samples
 from sdk.images import (
-    ImageSpanError,
     VisionScorer,
     forward_inputs,
     response_logprobs,

@@ -314,7 +314,8 @@ async def test_trl_refuses_an_episode_with_images(stand_in: StandIn, tmp_path: A
     a text episode goes through."""
     from types import SimpleNamespace
 
-    from sdk.trl import BackgroundLoop, RelayRollout, VisionRolloutError, rollout_output
+    from sdk.exceptions import VisionRolloutError
+    from sdk.trl import BackgroundLoop, RelayRollout, rollout_output
 
     async def agent(spec: RunSpec) -> Mapping[str, float]:
         return {"reward": 1.0}
