@@ -542,3 +542,33 @@ async def test_anthropic_count_tokens_counts_each_image_as_it_is_expanded(
         - trajectory["multi_modal_data"]["images"][0]["span"][0]
         == 60
     )
+
+
+async def test_the_sdk_trains_on_what_the_worker_saw(
+    vlm_client: ProxyClient, vlm_engine: HFEngine
+) -> None:
+    """The trainer's path: samples built from the real export, their image bytes fetched
+    from the proxy (once per image), turned into the model's forward inputs, re-score
+    every sampled token within 1e-4; with the images swapped they do not."""
+    from sdk.fidelity import check_samples
+    from sdk.images import VisionScorer, forward_inputs
+    from sdk.samples import build_samples
+
+    trial = await new_trial(vlm_client)
+    first = [chat_user("first", RED)]
+    reply = await chat(trial, first, stream=True)
+    await chat(
+        trial, [*first, {"role": "assistant", "content": reply}, chat_user(GREEN)], stream=True
+    )
+    (sample,) = build_samples(await vlm_client.trajectories(trial.trial_id))
+    await vlm_client.fill_images(trial.trial_id, [sample])
+    assert [(i.sha256, i.data) for i in sample.images] == [(sha(RED), RED), (sha(GREEN), GREEN)]
+    model, processor = vlm_engine.model, vlm_engine.image_processor
+    inputs = forward_inputs(sample, processor, model)
+    assert int(inputs["mm_token_type_ids"].sum()) == 8  # two images of 4 tokens
+    report = check_samples([sample], VisionScorer(model, processor).score)
+    assert report.images == 2
+    assert report.ok(), report
+    for image, other in zip(sample.images, (GREEN, RED), strict=True):
+        image.sha256, image.data = sha(other), other  # the same places, other pixels
+    assert not check_samples([sample], VisionScorer(model, processor).score).ok()
