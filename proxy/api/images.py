@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from proxy.chat.messages import ChatMessage, ImagePart
-from proxy.exceptions import ImageError
+from proxy.exceptions import BadRequestError, ImageError
 from proxy.images import ImageChecker, ImageData, ImageFetcher, ImageIntake, RemoteImageNeeded
 from proxy.sessions.model import Session
 
@@ -36,6 +36,44 @@ def image_at(where: str) -> Iterator[None]:
     except RemoteImageNeeded as need:
         need.where = need.where or where  # a refused fetch names it too
         raise
+
+
+# The part types whose ``text`` is a message's text, in the OpenAI-style APIs.
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+class _Part(Protocol):
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def text(self) -> str | None: ...
+
+
+P = TypeVar("P", bound=_Part)
+
+
+def text_and_images(
+    content: Sequence[P], where: str, image_type: str, image: Callable[[P, str], ImagePart]
+) -> tuple[str, tuple[str | ImagePart, ...]]:
+    """A list content's text, and its text and images in order (``message_parts``): a part
+    of ``image_type`` becomes ``image(part, its place)``, a text part its text; any other
+    part is refused, named by its place under ``where``."""
+    texts: list[str] = []
+    parts: list[str | ImagePart] = []
+    for j, part in enumerate(content):
+        at = f"{where}.{j}"
+        if part.type == image_type:
+            parts.append(image(part, at))
+        elif part.type in TEXT_PARTS and part.text is not None:
+            texts.append(part.text)
+            parts.append(part.text)
+        else:
+            raise BadRequestError(
+                f"{at}: only text and {image_type} parts are supported, got {part.type!r}",
+                code="unsupported_content",
+            )
+    return "".join(texts), message_parts(parts)
 
 
 def message_parts(parts: Sequence[str | ImagePart]) -> tuple[str | ImagePart, ...]:

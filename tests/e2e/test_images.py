@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +27,7 @@ from proxy.config import ProxyConfig
 from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import IN_PROCESS_STREAMS, TIMEOUT_FACTOR
+from tests.images import GREEN, RED, png
 from worker_client.backends.hf import HFEngine
 from worker_client.engine import ImageSpan
 from worker_client.tiny_vlm import SHIPPED_TINY_VLM
@@ -38,18 +38,6 @@ pytestmark = pytest.mark.e2e
 PAD = json.loads((SHIPPED_TINY_VLM / "config.json").read_text())["image_token_id"]
 
 
-def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
-    from PIL import Image
-
-    image = Image.new("RGB", size, color)
-    for x in range(0, size[0], 8):  # structure: a flat image's patches all look alike
-        image.putpixel((x, x % size[1]), (255 - color[0], color[1], 255 - color[2]))
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-RED, GREEN = png((200, 30, 40)), png((20, 220, 90))
 SCREENSHOT = png((10, 10, 240), (1280, 800))  # 60 image tokens with the tiny VLM's processor
 
 

@@ -27,6 +27,7 @@ from sdk.images import (
     verl_position_ids,
 )
 from sdk.samples import Sample, SampleImage
+from tests.images import GREEN, RED, png
 from worker_client.backends.hf import HFEngine
 from worker_client.engine import ImageSpan, SamplingParams
 from worker_client.tiny_vlm import IMAGE_PAD, SHIPPED_TINY_VLM
@@ -38,16 +39,7 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
-    image = Image.new("RGB", size, color)
-    for x in range(0, size[0], 8):  # some structure, so that patches differ
-        image.putpixel((x, x % size[1]), (255 - color[0], color[1], 255 - color[2]))
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-RED, GREEN, BLUE = png((200, 30, 40)), png((20, 220, 90)), png((10, 10, 240), (128, 96))
+BLUE = png((10, 10, 240), (128, 96))
 DARK = png((90, 0, 0), (128, 96))
 BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 

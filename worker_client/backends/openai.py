@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -337,35 +337,50 @@ class OpenAIEngine(StagedPath):
             return
         check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
+        stream = self._stream(
+            request_id, f"{self.base_url}/completions", body, chunk_from_event, "upstream"
+        )
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    async def _stream(
+        self,
+        request_id: str,
+        url: str,
+        body: dict[str, Any],
+        to_chunk: Callable[[Any], TokenChunk | None],
+        server: str,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """POST ``body`` to ``url`` and relay its server-sent events as chunks (an event
+        ``to_chunk`` makes nothing of is skipped), until a finish reason or an abort."""
         aborted = self._running.setdefault(request_id, asyncio.Event())
         try:
-            async with self._session().post(f"{self.base_url}/completions", json=body) as response:
+            async with self._session().post(url, json=body) as response:
                 if response.status >= 400:
                     text = (await response.text())[:500]
                     if response.status == 400 and "context" in text.lower():
                         raise PromptTooLongError(text)
-                    raise EngineError(f"upstream answered {response.status}: {text}")
-                async for raw in response.content:
+                    raise EngineError(f"{server} answered {response.status}: {text}")
+                async for data in _sse_data(response.content):
                     if aborted.is_set():
                         yield TokenChunk([], [], FinishReason.ABORT)
                         return
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         break
-                    chunk = chunk_from_event(json.loads(data))
+                    chunk = to_chunk(json.loads(data))
                     if chunk is None or (chunk.finish_reason is None and not chunk.token_ids):
                         continue
                     yield chunk
                     if chunk.finish_reason is not None:
                         return
         except aiohttp.ClientError as exc:
-            raise EngineError(f"upstream {self.base_url}: {type(exc).__name__}: {exc}") from exc
+            raise EngineError(f"{server} {url}: {type(exc).__name__}: {exc}") from exc
         finally:
             self._running.pop(request_id, None)
-        raise EngineError("the upstream stream ended without a finish reason")
+        raise EngineError(f"the {server} stream ended without a finish reason")
 
     async def _generate_with_images(
         self,
@@ -388,31 +403,14 @@ class OpenAIEngine(StagedPath):
             sglang_generate_request, prompt_ids, images, image_token, sampling
         )
         events = SGLangStream(prompt_ids)
-        aborted = self._running.setdefault(request_id, asyncio.Event())
+        stream = self._stream(
+            request_id, f"{self.server_url}/generate", body, events.chunk, "SGLang /generate"
+        )
         try:
-            async with self._session().post(f"{self.server_url}/generate", json=body) as response:
-                if response.status >= 400:
-                    text = (await response.text())[:500]
-                    if response.status == 400 and "context" in text.lower():
-                        raise PromptTooLongError(text)
-                    raise EngineError(f"SGLang /generate answered {response.status}: {text}")
-                async for data in _sse_data(response.content):
-                    if aborted.is_set():
-                        yield TokenChunk([], [], FinishReason.ABORT)
-                        return
-                    if data == b"[DONE]":
-                        break
-                    chunk = events.chunk(json.loads(data))
-                    if chunk.finish_reason is None and not chunk.token_ids:
-                        continue
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        return
-        except aiohttp.ClientError as exc:
-            raise EngineError(f"SGLang {self.server_url}: {type(exc).__name__}: {exc}") from exc
+            async for chunk in stream:
+                yield chunk
         finally:
-            self._running.pop(request_id, None)
-        raise EngineError("SGLang's stream ended without a finish reason")
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         event = self._running.get(request_id)

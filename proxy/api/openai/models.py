@@ -17,13 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.api.bodies import MessageBody
 from proxy.api.errors import parse_json
-from proxy.api.images import image_at, message_parts
+from proxy.api.images import image_at, text_and_images
 from proxy.chat.history import HistoryMemory
 from proxy.chat.messages import ChatMessage, ImagePart, Tool, ToolCall
 from proxy.exceptions import BadRequestError
 from proxy.images import ImageIntake
 
-_TEXT_PARTS = {"text", "input_text", "output_text"}
 # The roles whose messages may hold images (chat templates render them there only).
 _IMAGE_ROLES = {"user", "tool"}
 
@@ -122,21 +121,12 @@ class MessageIn(_Lenient):
         self, content: list[ContentPart], index: int, intake: ImageIntake
     ) -> tuple[str, tuple[str | ImagePart, ...]]:
         """The text of a list content, and its text and images in order."""
-        texts: list[str] = []
-        parts: list[str | ImagePart] = []
-        for j, part in enumerate(content):
-            at = f"messages.{index}.content.{j}"
-            if part.type == "image_url":
-                parts.append(self._image(part, at, index, intake))
-            elif part.type in _TEXT_PARTS and part.text is not None:
-                texts.append(part.text)
-                parts.append(part.text)
-            else:
-                raise BadRequestError(
-                    f"{at}: only text and image_url parts are supported, got {part.type!r}",
-                    code="unsupported_content",
-                )
-        return "".join(texts), message_parts(parts)
+        return text_and_images(
+            content,
+            f"messages.{index}.content",
+            "image_url",
+            lambda part, at: self._image(part, at, index, intake),
+        )
 
     def _image(self, part: ContentPart, at: str, index: int, intake: ImageIntake) -> ImagePart:
         if self.role not in _IMAGE_ROLES:

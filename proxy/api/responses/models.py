@@ -22,12 +22,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from proxy.api.images import image_at, message_parts
+from proxy.api.images import image_at, text_and_images
 from proxy.chat.messages import ChatMessage, ImagePart, Tool, ToolCall
 from proxy.exceptions import BadRequestError
 from proxy.images import ImageIntake
-
-_TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
 class _Lenient(BaseModel):
@@ -62,26 +60,16 @@ def _content(
     Images are taken through ``intake``; None: the content may hold none."""
     if isinstance(content, str):
         return content, ()
-    texts: list[str] = []
-    parts: list[str | ImagePart] = []
-    for j, part in enumerate(content):
-        at = f"{where}.{j}"
-        if part.type == "input_image":
-            if intake is None:
-                raise BadRequestError(
-                    f"{at}: images are taken in user messages and function_call_output only",
-                    code="invalid_message",
-                )
-            parts.append(_image(part, at, intake))
-        elif part.type in _TEXT_PARTS and part.text is not None:
-            texts.append(part.text)
-            parts.append(part.text)
-        else:
+
+    def image(part: ContentPart, at: str) -> ImagePart:
+        if intake is None:
             raise BadRequestError(
-                f"{at}: only text and input_image parts are supported, got {part.type!r}",
-                code="unsupported_content",
+                f"{at}: images are taken in user messages and function_call_output only",
+                code="invalid_message",
             )
-    return "".join(texts), message_parts(parts)
+        return _image(part, at, intake)
+
+    return text_and_images(content, where, "input_image", image)
 
 
 def _image(part: ContentPart, at: str, intake: ImageIntake) -> ImagePart:

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
+from tests.images import GREEN, RED, png
 from worker_client.backends.hf import HFEngine, is_vision_model
 from worker_client.engine import ImageSpan, SamplingParams
 from worker_client.exceptions import EngineError
@@ -36,16 +37,7 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(SHIPPED_TINY_VLM)
 
 
-def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
-    image = Image.new("RGB", size, color)
-    for x in range(0, size[0], 8):  # some structure, so that patches differ
-        image.putpixel((x, x % size[1]), (255 - color[0], color[1], 255 - color[2]))
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-RED, GREEN, BLUE = png((200, 30, 40)), png((20, 220, 90)), png((10, 10, 240), (1280, 800))
+BLUE = png((10, 10, 240), (1280, 800))
 
 
 class Prompt:
