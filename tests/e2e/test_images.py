@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI, BadRequestError
 
@@ -28,6 +27,7 @@ from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import IN_PROCESS_STREAMS, TIMEOUT_FACTOR
 from tests.images import GREEN, RED, png
+from tests.proxy.image_host import image_host
 from worker_client.backends.hf import HFEngine
 from worker_client.engine import ImageSpan
 from worker_client.tiny_vlm import SHIPPED_TINY_VLM
@@ -434,34 +434,19 @@ async def test_bad_images_are_refused_and_nothing_is_recorded(
 async def test_a_remote_url_is_not_fetched_unless_allowed(
     vlm_stack: RunningProxy, vlm_client: ProxyClient
 ) -> None:
-    hits: list[str] = []
-
-    async def serve(request: web.Request) -> web.Response:
-        hits.append(request.path)
-        return web.Response(body=RED, content_type="image/png")
-
-    app = web.Application()
-    app.router.add_get("/{name}", serve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with image_host(RED) as host:
         trial = await new_trial(vlm_client)
         remote = {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/a.png"}}
+                {"type": "image_url", "image_url": {"url": host.url("127.0.0.1", "/shot.png")}}
             ],
         }
         with pytest.raises(BadRequestError) as caught:
             await chat(trial, [remote], stream=False)
         assert caught.value.code == "image_url_not_allowed"
-        assert hits == []
+        assert host.served == []
         assert await _turns(vlm_stack, trial.trial_id) == (0, 0)
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_text_model_refuses_images_in_the_callers_format(proxy_client: ProxyClient) -> None:

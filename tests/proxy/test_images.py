@@ -4,15 +4,11 @@ included."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
-import io
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import pytest
-from aiohttp import web
 from PIL import Image
 
 from proxy.exceptions import ImageError
@@ -23,18 +19,7 @@ from proxy.images import (
     MediaType,
     parse_data_url,
 )
-
-
-def encoded(size: tuple[int, int] = (64, 48), fmt: str = "PNG", frames: int = 1) -> bytes:
-    images = [Image.new("RGB", size, (40 * i, 90, 200)) for i in range(frames)]
-    for x in range(size[0]):  # not one colour: an image of some bytes, which cut is corrupt
-        images[0].putpixel((x, (x * 7) % size[1]), (x % 256, 255 - x % 256, 17))
-    out = io.BytesIO()
-    if frames > 1:
-        images[0].save(out, format=fmt, save_all=True, append_images=images[1:])
-    else:
-        images[0].save(out, format=fmt)
-    return out.getvalue()
+from tests.proxy.image_host import ImageHost, encoded, image_host
 
 
 def checker(**limits: int) -> ImageChecker:
@@ -162,44 +147,10 @@ def test_a_data_url_gives_its_bytes() -> None:
     assert parse_data_url(url) == ("image/png", data)
 
 
-@dataclass
-class ImageHost:
-    """A loopback server with an image, redirects and a slow path; counts what it served."""
-
-    served: list[str] = field(default_factory=list)
-    port: int = 0
-
-
 @pytest.fixture
 async def host() -> AsyncIterator[ImageHost]:
-    state = ImageHost()
-    data = encoded()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        state.served.append(f"{request.host.split(':')[0]}{request.path}")
-        path = request.path
-        if path == "/shot.png":
-            return web.Response(body=data, content_type="image/png")
-        if path.startswith("/to/"):  # /to/<host>/<path>
-            _, _, target_host, rest = path.split("/", 3)
-            raise web.HTTPFound(f"http://{target_host}:{state.port}/{rest}")
-        if path == "/loop":
-            raise web.HTTPFound("/loop")
-        if path == "/big":
-            return web.Response(body=b"\0" * 100_000, content_type="image/png")
-        if path == "/slow":
-            await asyncio.sleep(30)
-        return web.Response(status=404)
-
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", handle)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    state.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield state
-    await runner.cleanup()
+    async with image_host(encoded()) as state:
+        yield state
 
 
 def fetcher(allow: list[str], **kwargs: float) -> ImageFetcher:

@@ -10,16 +10,14 @@ import base64
 import hashlib
 import io
 import json
-import random
 import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from PIL import Image
 
 from proxy.api.anthropic.models import parse_messages_request
@@ -35,21 +33,7 @@ from proxy.images import ImageChecker, ImageFetcher, ImageIntake, ImageLimits
 from proxy.sessions.model import Session, TrialId
 from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient
-
-
-def encoded(size: tuple[int, int] = (64, 48), fmt: str = "PNG", noise: bool = False) -> bytes:
-    """An image in ``fmt``; with ``noise`` random pixels, which PNG cannot compress."""
-    if noise:
-        pixels = random.Random(0).randbytes(size[0] * size[1] * 3)
-        image = Image.frombytes("RGB", size, pixels)
-    else:
-        image = Image.new("RGB", size, (30, 90, 200))
-        for x in range(size[0]):
-            image.putpixel((x, (x * 7) % size[1]), (x % 256, 255 - x % 256, 17))
-    out = io.BytesIO()
-    image.save(out, format=fmt)
-    return out.getvalue()
-
+from tests.proxy.image_host import ImageHost, encoded, image_host
 
 SHOT = encoded((64, 48))
 OTHER = encoded((32, 16))
@@ -361,39 +345,10 @@ async def test_a_screenshot_in_a_remembered_history_is_not_converted_again(api: 
 # --------------------------------------------------------------- the real app, refusals
 
 
-@dataclass
-class ImageHost:
-    """A loopback server with a screenshot and a redirect; counts what it served."""
-
-    served: list[str] = field(default_factory=list)
-    port: int = 0
-
-    def url(self, host: str, path: str) -> str:
-        return f"http://{host}:{self.port}{path}"
-
-
 @pytest.fixture
 async def host() -> AsyncIterator[ImageHost]:
-    state = ImageHost()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        state.served.append(f"{request.host.split(':')[0]}{request.path}")
-        if request.path == "/shot.png":
-            return web.Response(body=SHOT, content_type="image/png")
-        if request.path.startswith("/to/"):  # /to/<host>/<path>
-            _, _, target, rest = request.path.split("/", 3)
-            raise web.HTTPFound(f"http://{target}:{state.port}/{rest}")
-        return web.Response(status=404)
-
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    state.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield state
-    await runner.cleanup()
+    async with image_host(SHOT) as state:
+        yield state
 
 
 @pytest.mark.parametrize("api", APIS)

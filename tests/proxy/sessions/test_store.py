@@ -89,6 +89,15 @@ def _tree() -> Session:
     return s
 
 
+async def _stored(path: Path, session: Session) -> SessionStore:
+    """A store at ``path`` holding ``session`` and every turn of it (left open)."""
+    store = await SessionStore.open(path)
+    await store.save_session(session)
+    for node in session.nodes:
+        await store.save_turn(session, node)
+    return store
+
+
 async def _reopen(path: Path) -> tuple[SessionStore, list[Session]]:
     store = await SessionStore.open(path)
     loaded = await store.load()
@@ -110,10 +119,7 @@ async def test_sessions_turns_and_branches_round_trip(tmp_path: Path) -> None:
     """A tree with branches, a completed state and a dict reward reloads identically:
     same export, summary, continuation keys and child counts."""
     s = _tree()
-    store = await SessionStore.open(tmp_path)
-    await store.save_session(s)
-    for node in s.nodes:
-        await store.save_turn(s, node)
+    store = await _stored(tmp_path, s)
     s.transition(SessionState.COMPLETED, by=CompletedBy.IDLE_TIMEOUT)
     s.reward = {"tests": 1.0, "style": 0.25}
     s.fetched_at = 1_700_000_100.5
@@ -300,10 +306,7 @@ async def test_version_spans_round_trip(tmp_path: Path) -> None:
     s = _tree()
     s.nodes[0].meta.versions = [[1, 0, 1], [2, 1, 3]]
     s.nodes[2].meta.versions = [[2, 0, 3]]
-    store = await SessionStore.open(tmp_path)
-    await store.save_session(s)
-    for node in s.nodes:
-        await store.save_turn(s, node)
+    store = await _stored(tmp_path, s)
     await store.close()
     store, (loaded,) = await _reopen(tmp_path)
     await store.close()
@@ -399,10 +402,7 @@ async def test_a_turn_whose_images_are_missing_is_not_restored(tmp_path: Path) -
     rather than exporting spans without pixels."""
     s = _tree()
     _with_images(s)
-    store = await SessionStore.open(tmp_path)
-    await store.save_session(s)
-    for node in s.nodes:
-        await store.save_turn(s, node)
+    store = await _stored(tmp_path, s)
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
     db.execute("DELETE FROM images WHERE sha256 = ?", ("b" * 64,))
@@ -418,10 +418,7 @@ async def test_a_turn_whose_images_are_missing_is_not_restored(tmp_path: Path) -
 async def test_deleting_a_session_deletes_its_images(tmp_path: Path) -> None:
     s = _tree()
     _with_images(s)
-    store = await SessionStore.open(tmp_path)
-    await store.save_session(s)
-    for node in s.nodes:
-        await store.save_turn(s, node)
+    store = await _stored(tmp_path, s)
     await store.delete_session(s.trial_id)
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
