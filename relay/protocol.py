@@ -35,6 +35,11 @@ Conversation::
       |                                                     |   the (expanded) prompt ids
       | <------------- ImageDrop([sha256, ...]) ----------- |   forget them (no request uses them)
 
+    routing (version 5), for a mixture-of-experts model whose engine can report it
+    (``ModelInfo.routing``), asked per request from a position on:
+      | <------------- Generate(..., routed_experts_from=k)  |   the experts of positions k..
+      | -- Done(..., routed_experts=RoutedExperts) -------> |   rows [start, start + rows)
+
 States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
 endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
 state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
@@ -45,7 +50,17 @@ proxy upgraded first keeps serving the workers that are not yet upgraded. Weight
 need version 3 on both sides: a proxy refuses an update while an older worker is connected
 (it could not be brought to the new weights). Images need version 4: a worker announces a
 vision-language model with the id of its image placeholder (``ModelInfo.image_token_id``),
-and a proxy sends images only to a worker welcomed in version 4.
+and a proxy sends images only to a worker welcomed in version 4. Routing needs version 5: a
+worker announces what its engine can report (``ModelInfo.routing``) and a proxy asks for
+rows (``Generate.routed_experts_from``) only of a worker welcomed in version 5.
+
+Routing rows: position ``p`` of a request's ``prompt_ids + generated ids`` has one row, the
+experts each MoE layer chose for the token at ``p`` (``[layers, top_k]``, in the order the
+router ranked them), for every position the engine ran forward: all but the last generated
+token. ``routed_experts_from=k`` asks for rows ``k`` onwards only (the proxy holds the
+earlier ones from the turns before); the engine may give rows from an earlier start, never
+a later one. Rows travel as one C-order array, uint8 when the model has at most 256
+experts, else uint16 (``RoutingShape.dtype``), never as lists of ints.
 
 Policy versions: ``Hello`` says which weights the worker serves (``policy_version``, and the
 checkpoint ``weights_path`` it loaded last); a ``Done`` carries the version that sampled its
@@ -64,11 +79,12 @@ import msgspec
 
 from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
 
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
 BATCH_VERSION = 2  # the first version with Batch frames
 WEIGHTS_VERSION = 3  # the first version with weight updates
 IMAGES_VERSION = 4  # the first version with images
+ROUTING_VERSION = 5  # the first version with routed experts
 
 # Keys of ``Done.extra`` this protocol gives a meaning to.
 POLICY_VERSION = "policy_version"  # the weights version that sampled the request's tokens
@@ -134,6 +150,38 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     stop_token_ids: list[int] = []
 
 
+class RoutingShape(msgspec.Struct, frozen=True, array_like=True):
+    """What a mixture-of-experts model's routing rows hold: ``layers`` MoE layers choosing
+    ``top_k`` of ``experts`` experts each, per position."""
+
+    layers: int
+    top_k: int
+    experts: int
+
+    @property
+    def dtype(self) -> str:
+        """The element type of its rows: ``uint8`` up to 256 experts, else ``uint16``."""
+        return "uint8" if self.experts <= 256 else "uint16"
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self.experts <= 256 else 2
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one position's row."""
+        return self.layers * self.top_k * self.itemsize
+
+
+class RoutedExperts(msgspec.Struct, frozen=True):
+    """Routing rows of positions ``[start, start + rows)``: C-order ``[rows, layers,
+    top_k]`` of the model's ``RoutingShape.dtype``, little-endian."""
+
+    start: int
+    rows: int
+    data: bytes
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """A model a worker serves. ``tokenizer_files`` maps file names (tokenizer.json,
     tokenizer_config.json, chat_template.jinja, ...) to their bytes so the proxy needs no
@@ -148,6 +196,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # fills with the image's features (its files then include preprocessor_config.json).
     # None: text only.
     image_token_id: int | None = None
+    # A mixture-of-experts model whose engine can report the experts it routed each token
+    # to (protocol 5). None: a dense model, or an engine that cannot.
+    routing: RoutingShape | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -184,6 +235,8 @@ class Generate(msgspec.Struct, frozen=True, tag="generate"):
     sampling: Sampling
     stream: bool = True
     images: list[ImageRef] = []
+    # Routing rows wanted from this position on (protocol 5); None: none (nothing costs).
+    routed_experts_from: int | None = None
 
 
 class Image(msgspec.Struct, frozen=True, tag="image"):
@@ -214,6 +267,9 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     token_ids: bytes = b""
     logprobs: bytes = b""
     extra: dict[str, str | int | float] = {}
+    # The routing rows asked for (``Generate.routed_experts_from``); None when none were
+    # asked or the engine could give none.
+    routed_experts: RoutedExperts | None = None
 
 
 class Error(msgspec.Struct, frozen=True, tag="error"):
@@ -431,6 +487,11 @@ class ProxyEndpoint(_Endpoint):
         """Whether images can be sent to this worker."""
         return self.version >= IMAGES_VERSION
 
+    @property
+    def reports_routing(self) -> bool:
+        """Whether this worker may be asked for routing rows."""
+        return self.version >= ROUTING_VERSION
+
     def image(self, message: Image) -> bytes:
         """Encode an image for the worker to keep."""
         self._require(ConnectionState.OPEN, "image")
@@ -525,6 +586,8 @@ class ProxyEndpoint(_Endpoint):
         if message.images:
             self._require_images()
             _check_images(message, self.images)
+        if message.routed_experts_from is not None and self.version < ROUTING_VERSION:
+            raise IllegalTransitionError(f"routed experts need protocol {ROUTING_VERSION}")
         self.in_flight.add(message.request_id)
         return encode(message)
 
@@ -587,6 +650,12 @@ class WorkerEndpoint(_Endpoint):
         )
         if uses_images and self.version < IMAGES_VERSION:
             raise IllegalTransitionError(f"images need protocol {IMAGES_VERSION}")
+        if (
+            isinstance(message, Generate)
+            and message.routed_experts_from is not None
+            and self.version < ROUTING_VERSION
+        ):
+            raise IllegalTransitionError(f"routed experts need protocol {ROUTING_VERSION}")
         if isinstance(message, Generate):
             if message.request_id in self.in_flight:
                 raise IllegalTransitionError(f"request {message.request_id!r} already running")

@@ -512,3 +512,48 @@ def test_an_ack_without_a_code_decodes_as_one_with_an_empty_code() -> None:
 
     new = protocol.encode(protocol.UpdateAck("u1", protocol.UpdatePhase.PAUSED, code="busy"))
     assert msgspec.msgpack.decode(new, type=OldAck) == OldAck("u1", "paused")
+
+
+def test_routing_rows_need_protocol_5_on_both_sides() -> None:
+    """A proxy asks routing rows only of a worker welcomed in version 5, and a worker of an
+    older version refuses a request that asks for them; the shape names its element type."""
+    from relay.protocol import (
+        ROUTING_VERSION,
+        Done,
+        Generate,
+        Hello,
+        ProxyEndpoint,
+        RoutedExperts,
+        RoutingShape,
+        Sampling,
+        Welcome,
+        WorkerEndpoint,
+        decode_worker_message,
+        encode,
+        pack_ids,
+    )
+
+    ask = Generate("r1", "m", pack_ids([1, 2, 3]), Sampling(max_tokens=4), routed_experts_from=2)
+    proxy = ProxyEndpoint()
+    proxy.receive(encode(Hello(ROUTING_VERSION - 1, "w", "", [])))
+    proxy.accept(10.0)
+    assert not proxy.reports_routing
+    with pytest.raises(IllegalTransitionError, match="protocol 5"):
+        proxy.generate(ask)
+    worker = WorkerEndpoint()
+    worker.receive(encode(Welcome(ROUTING_VERSION - 1, 10.0)))
+    with pytest.raises(IllegalTransitionError, match="protocol 5"):
+        worker.receive(encode(ask))
+    current = ProxyEndpoint()
+    current.receive(encode(Hello(ROUTING_VERSION, "w", "", [])))
+    current.accept(10.0)
+    assert current.reports_routing
+    current.generate(ask)
+    assert RoutingShape(2, 2, 8).dtype == "uint8"
+    assert RoutingShape(2, 2, 8).row_bytes == 4
+    assert RoutingShape(48, 8, 512).dtype == "uint16"
+    done = decode_worker_message(
+        encode(Done("r1", "stop", routed_experts=RoutedExperts(2, 1, b"\x01\x02\x03\x04")))
+    )
+    assert isinstance(done, Done)
+    assert done.routed_experts == RoutedExperts(2, 1, b"\x01\x02\x03\x04")
