@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import io
 import json
 import random
@@ -107,6 +108,43 @@ async def conversation(
     return rows
 
 
+def conversion_ms(turns: int) -> list[float]:
+    """Per turn, the proxy's own work on a request's messages and images, in this process:
+    the body taken apart, new messages converted (a new screenshot decoded, checked and
+    hashed), the history recognised from the session's memory. Median of three rounds."""
+    from proxy.api.images import ImageSources, take_images
+    from proxy.api.openai.models import parse_chat_completion
+    from proxy.images import ImageChecker, ImageFetcher, ImageLimits
+    from proxy.sessions.model import Session, TrialId
+
+    shots = [base64.b64encode(screenshot(turn)).decode() for turn in range(turns)]
+    rounds: list[list[float]] = []
+    for _ in range(3):
+        checker = ImageChecker(ImageLimits())  # a fresh one: nothing known yet
+        sources = ImageSources(checker, ImageFetcher([], checker))
+        session = Session(TrialId("bench"), "key")
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "You operate a computer."}]
+        times: list[float] = []
+        for turn in range(turns):
+            url = f"data:image/png;base64,{shots[turn]}"
+            content = [{"type": "text", "text": f"step {turn}: what next?"}]
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [*content, {"type": "image_url", "image_url": {"url": url}}],
+                }
+            )
+            body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 16}).encode()
+            parse = functools.partial(parse_chat_completion, body, session.history)
+            started = time.perf_counter()
+            _, _, taken = asyncio.run(take_images(sources, session, parse))
+            times.append((time.perf_counter() - started) * 1e3)
+            session.images.update(taken)  # as the recorded turn keeps them
+            messages.append({"role": "assistant", "content": "ok"})
+        rounds.append(times)
+    return [statistics.median(r[t] for r in rounds) for t in range(turns)]
+
+
 def _by_turn(runs: list[list[dict[str, float]]], key: str) -> list[float]:
     return [statistics.median(run[t][key] for run in runs) for t in range(len(runs[0]))]
 
@@ -144,24 +182,31 @@ def report(results: dict[str, Any], turns: int, conversations: int) -> str:
         "proxy's own process, median over the conversations; turn k's request holds k "
         "1280x800 PNG screenshots (each new), or none. The instant backend runs no model.",
         "",
-        "| turn | CPU ms, text | CPU ms, screenshots | request MB, screenshots | prompt tokens |",
-        "|---:|---:|---:|---:|---:|",
+        "| turn | CPU ms, text | CPU ms, screenshots | of which messages and images, ms "
+        "| request MB, screenshots | prompt tokens |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     text, images = results["text"], results["images"]
     for t in range(turns):
         lines.append(
             f"| {t + 1} | {text['cpu_ms'][t]:.2f} | {images['cpu_ms'][t]:.2f} "
+            f"| {results['conversion_ms'][t]:.2f} "
             f"| {images['body_mb'][t]:.2f} | {images['prompt_tokens'][t]:.0f} |"
         )
     first = statistics.median(images["cpu_ms"][1 : 1 + edge])
     last = statistics.median(images["cpu_ms"][-edge:])
     first_text = statistics.median(text["cpu_ms"][1 : 1 + edge])
     last_text = statistics.median(text["cpu_ms"][-edge:])
+    conversion = results["conversion_ms"]
+    first_conv = statistics.median(conversion[1 : 1 + edge])
+    last_conv = statistics.median(conversion[-edge:])
     lines += [
         "",
         f"Median CPU per turn, turns 2-{1 + edge} vs the last {edge}: with screenshots "
         f"{first:.2f} -> {last:.2f} ms ({last / first:.2f}x), text only "
-        f"{first_text:.2f} -> {last_text:.2f} ms ({last_text / first_text:.2f}x).",
+        f"{first_text:.2f} -> {last_text:.2f} ms ({last_text / first_text:.2f}x); the work on "
+        f"messages and images alone {first_conv:.2f} -> {last_conv:.2f} ms "
+        f"({last_conv / first_conv:.2f}x).",
         "",
     ]
     return "\n".join(lines)
@@ -178,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-images-") as log_dir:
         results = asyncio.run(measure(args.turns, args.conversations, Path(log_dir)))
+    results["conversion_ms"] = conversion_ms(args.turns)
     text = report(results, args.turns, args.conversations)
     print(text)
     if args.out:
