@@ -545,3 +545,90 @@ async def test_the_sdk_trains_on_what_the_worker_saw(
     for image, other in zip(sample.images, (GREEN, RED), strict=True):
         image.sha256, image.data = sha(other), other  # the same places, other pixels
     assert not check_samples([sample], VisionScorer(model, processor).score).ok()
+
+
+# ------------------------------------------------------------- every API, streamed and not
+
+
+async def _say(api: str, trial: TrialSession, history: list[dict[str, Any]], stream: bool) -> str:
+    """One turn of ``history`` (already in ``api``'s shape); the reply's text."""
+    if api == "chat":
+        return await chat(trial, history, stream=stream)
+    if api == "anthropic":
+        client = _anthropic(trial)
+        if stream:
+            async with client.messages.stream(model="m", max_tokens=8, messages=history) as s:  # type: ignore[arg-type]
+                message = await s.get_final_message()
+        else:
+            message = await client.messages.create(model="m", max_tokens=8, messages=history)  # type: ignore[arg-type]
+        return "".join(b.text for b in message.content if b.type == "text")
+    openai = _openai(trial)
+    if not stream:
+        reply = await openai.responses.create(model="m", input=history, max_output_tokens=8)  # type: ignore[arg-type]
+        return reply.output_text
+    text = ""
+    async for event in await openai.responses.create(
+        model="m",
+        input=history,  # type: ignore[arg-type]
+        max_output_tokens=8,
+        stream=True,
+    ):
+        if event.type in ("response.completed", "response.incomplete"):  # 8 tokens: cut
+            text = event.response.output_text
+    return text
+
+
+def _user(api: str, *parts: bytes | str) -> dict[str, Any]:
+    if api == "chat":
+        return chat_user(*parts)
+    if api == "anthropic":
+        return {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": p} if isinstance(p, str) else anthropic_image(p)
+                for p in parts
+            ],
+        }
+    return {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": p}
+            if isinstance(p, str)
+            else {"type": "input_image", "image_url": data_url(p)}
+            for p in parts
+        ],
+    }
+
+
+def _assistant(api: str, text: str) -> dict[str, Any]:
+    if api == "anthropic":
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["chat", "anthropic", "responses"])
+async def test_several_images_a_chain_and_an_edited_image_in_every_api(
+    vlm_client: ProxyClient, vlm_engine: HFEngine, api: str, stream: bool
+) -> None:
+    """Several images in one message, a second turn carrying them (one chain), then the
+    same history with the first image edited (a new branch); the chain re-scores within
+    1e-4 with its recorded pixels."""
+    trial = await new_trial(vlm_client)
+    first = [_user(api, "compare", RED, "with", GREEN)]
+    reply = await _say(api, trial, first, stream)
+    second = [*first, _assistant(api, reply), _user(api, SCREENSHOT, "and now?")]
+    await _say(api, trial, second, stream)
+    edited = [_user(api, "compare", GREEN, "with", GREEN), *second[1:]]
+    await _say(api, trial, edited, stream)
+    export = await vlm_client.trajectories(trial.trial_id)
+    by_turns = {len(t["turns"]): t for t in export["trajectories"]}
+    chain = by_turns[2]
+    assert [t["branch_reason"] for t in chain["turns"]] == ["new_session", "continued"]
+    check_placed(chain, [RED, GREEN, SCREENSHOT])
+    edited_root = by_turns[1]
+    assert edited_root["turns"][0]["branch_reason"] == "new_branch"
+    check_placed(edited_root, [GREEN, GREEN, SCREENSHOT])
+    pixels = {sha(i): i for i in (RED, GREEN, SCREENSHOT)}
+    pairs = rescored(vlm_engine, chain, pixels)
+    assert max(abs(a - b) for a, b in pairs) <= 1e-4
