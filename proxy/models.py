@@ -9,6 +9,7 @@ different tokenizer files are a configuration error: the second is refused.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -46,6 +47,10 @@ class ServedModel:
     # A vision-language model's image placeholder and processor (None: a text model,
     # which refuses images).
     vision: VisionTokens | None = None
+    # A mixture-of-experts model whose workers report the experts each token was routed
+    # to (protocol 5), and the shape of those rows; None: a dense model, or workers that
+    # cannot report them.
+    routing: protocol.RoutingShape | None = None
 
 
 def tokenizer_digest(files: dict[str, bytes]) -> str:
@@ -85,6 +90,17 @@ class ModelRegistry:
                     raise AdmissionRefused(
                         f"model {info.name!r} is already served with other tokenizer files"
                     )
+                routing = (
+                    info.routing if hello.protocol_version >= protocol.ROUTING_VERSION else None
+                )
+                if routing is not None and known.routing not in (None, routing):
+                    raise AdmissionRefused(
+                        f"model {info.name!r} is already served with routing "
+                        f"{known.routing}, not {routing}"
+                    )
+                if routing is not None and known.routing is None:
+                    # The first worker that can report the model's routing.
+                    self.models[info.name] = dataclasses.replace(known, routing=routing)
                 continue
             try:
                 renderer, checked, vision = await asyncio.to_thread(
@@ -98,7 +114,14 @@ class ModelRegistry:
                 ) from None
             tools = check_tools(renderer)
             self.models[info.name] = ServedModel(
-                info.name, digest, info.max_model_len, renderer, tuple(checked), tools, vision
+                info.name,
+                digest,
+                info.max_model_len,
+                renderer,
+                tuple(checked),
+                tools,
+                vision,
+                info.routing if hello.protocol_version >= protocol.ROUTING_VERSION else None,
             )
             broken = any(r.result != "continued" for r in checked) or tools.result == "refused"
             log.log(

@@ -30,6 +30,7 @@ from proxy.chat.reasoning import (
 from proxy.chat.stops import StopMatcher
 from proxy.coalesce import StreamCoalescer
 from proxy.exceptions import (
+    BadRequestError,
     ContextLengthError,
     ImageError,
     ProxyError,
@@ -55,6 +56,7 @@ from proxy.sessions.model import (
 )
 from proxy.sessions.options import CapFinish
 from proxy.sessions.retries import RetryAction, RetryMarks, decide
+from proxy.sessions.routing import TurnRouting, turn_routing
 from proxy.sessions.store import SessionStore
 from proxy.toolcalls import (
     ContentDelta,
@@ -249,6 +251,12 @@ class TurnService:
         session.require_active()
         check_message_count(self.limits, len(request.messages))
         served = await self._served(session, request.requested_model)
+        if session.options.routed_experts and served.routing is None:
+            raise BadRequestError(
+                f"model {served.name!r} reports no expert routing (a dense model, or "
+                "workers whose engine cannot report it), and this session asked for it",
+                code="routing_unsupported",
+            )
         renderer = served.renderer
         if request.prompt_ids is not None:
             plan = plan_raw_prompt(session, request.prompt_ids)
@@ -311,6 +319,7 @@ class TurnService:
                 sampling,
                 affinity=session.trial_id,
                 images=_prompt_images(session, request, plan),
+                routed_experts_from=_routed_from(session, plan),
             )
         except BaseException as exc:
             if live is not None:
@@ -723,6 +732,7 @@ class TurnService:
             logprobs=array("f", logprobs[: len(ids)]),
             prompt_len=len(plan.prompt_ids),
             images=plan.images,
+            routing=_routing(prepared, len(plan.prompt_ids) + len(ids)),
             key=raw_prompt_key([*plan.prompt_ids, *ids])
             if prepared.request.prompt_ids is not None
             else extend_key(plan.request_key, returned),
@@ -909,6 +919,29 @@ def _prompt_images(session: Session, request: TurnRequest, plan: PromptPlan) -> 
         data = session.images.get(image.sha256) or request.images[image.sha256]
         out.append(PromptImage(image.sha256, data.data, image.start, image.end))
     return out
+
+
+def _routed_from(session: Session, plan: PromptPlan) -> int | None:
+    """The first position whose routing row a turn asks for: the chain it continues holds
+    the rows before its parent's last sampled token (which nothing ran forward yet); a new
+    root asks for all. None: the session records no routing."""
+    if not session.options.routed_experts:
+        return None
+    return 0 if plan.parent is None else session.nodes[plan.parent].end - 1
+
+
+def _routing(prepared: PreparedTurn, end: int) -> TurnRouting | None:
+    """The turn's routing rows, positions [its start, ``end`` - 1): what its call gathered,
+    the rest missing (a cut reply, a lost worker's rows, an engine that gave fewer)."""
+    call, shape = prepared.call, prepared.served.routing
+    routed = call.routed if call is not None else None
+    if routed is None or shape is None:
+        return None
+    if routed.shape not in (None, shape):  # never expected: rows of another model's shape
+        return turn_routing(shape, routed.start, end - 1, routed.start, b"")
+    return turn_routing(
+        shape, routed.start, end - 1, routed.start, routed.data, routed.missing, routed.versions
+    )
 
 
 def _recorded(session: Session, node: TurnNode) -> bool:

@@ -19,6 +19,12 @@ nothing until it loads the current weights. Every call keeps the version of each
 of tokens it received (``RelayCall.version_spans``): a request preempted by an update
 continues from its tokens on the new weights, and its reply says which tokens came from
 which version.
+
+Routing rows (protocol 5): a call started with ``routed_experts_from=k`` runs only on a
+worker that reports routing for its model, and gathers the rows its attempts' ``Done``
+frames bring into ``RelayCall.routed`` (rows ``k`` onwards, each kept once: rows an engine
+gives from before what was asked are dropped). An attempt continued after a lost worker or a
+preemption asks from where the rows gathered so far end.
 """
 
 from __future__ import annotations
@@ -100,6 +106,13 @@ class WorkerHandle:
             f"<WorkerHandle {self.worker_id} {self.endpoint.state.value} {self.state.value} "
             f"v{self.version} in_flight={len(self.in_flight)}/{self.max_concurrency}>"
         )
+
+
+def reports_routing(handle: WorkerHandle, model: str) -> bool:
+    """Whether the worker may be asked for ``model``'s routing rows: it speaks protocol 5
+    and announced the model's routing shape."""
+    info = handle.models.get(model)
+    return handle.endpoint.reports_routing and info is not None and info.routing is not None
 
 
 # --------------------------------------------------------------------------- decisions
@@ -274,6 +287,55 @@ def version_spans(segments: Sequence[tuple[int, int]], total: int) -> list[Versi
 RelayEvent = TokensEvent | RestartedEvent | ResumedEvent | FinishedEvent
 
 
+@dataclass(slots=True)
+class RoutedRows:
+    """The routing rows a call gathered: positions ``[start, start + count)`` of its prompt
+    plus sampled ids as one C-order array (``shape.row_bytes`` a row), zeros in the
+    ``missing`` ranges (rows an engine skipped), and which version's forward made which
+    rows (``versions``: (version, start, end) over positions)."""
+
+    start: int
+    shape: protocol.RoutingShape | None = None  # learned from the first rows that came
+    data: bytearray = field(default_factory=bytearray)
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    versions: list[VersionSpan] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.data) // self.shape.row_bytes if self.shape is not None else 0
+
+    @property
+    def end(self) -> int:
+        """The first position with no row yet: the next attempt asks from here."""
+        return self.start + self.count
+
+    def add(self, rows: protocol.RoutedExperts, shape: protocol.RoutingShape, version: int) -> int:
+        """Keep the rows past ``end`` of an attempt's ``Done``; returns how many were new.
+        Rows that do not fit the shape are refused (ValueError)."""
+        if self.shape is not None and shape != self.shape:
+            raise ValueError(f"routing shape {shape} differs from {self.shape}")
+        size = shape.row_bytes
+        if rows.rows < 0 or len(rows.data) != rows.rows * size:
+            raise ValueError(f"{len(rows.data)} bytes are not {rows.rows} rows of {size}")
+        self.shape = shape
+        end = self.end
+        if rows.start > end:  # an engine must never start later than asked: a gap
+            self.missing.append((end, rows.start))
+            self.data.extend(bytes((rows.start - end) * size))
+            end = rows.start
+        skip = end - rows.start
+        if skip >= rows.rows:
+            return 0
+        self.data.extend(memoryview(rows.data)[skip * size :])
+        new_end = rows.start + rows.rows
+        last = self.versions[-1] if self.versions else None
+        if last is not None and last[0] == version and last[2] == end:
+            self.versions[-1] = (version, last[1], new_end)
+        else:
+            self.versions.append((version, end, new_end))
+        return new_end - end
+
+
 class Delivery(enum.Enum):
     """What a call's sink (``RelayCall.deliver_to``) did with the tokens offered to it."""
 
@@ -309,6 +371,7 @@ class RelayCall:
         sampling: protocol.Sampling,
         affinity: str | None,
         images: Sequence[PromptImage] = (),
+        routed_experts_from: int | None = None,
     ) -> None:
         self.pool = pool
         self.request_id = request_id
@@ -329,6 +392,8 @@ class RelayCall:
         # (first token, version) of each attempt's tokens: a worker's own report of its
         # version (in its Done) replaces what the pool assumed when it dispatched.
         self.segments: list[tuple[int, int]] = []
+        # The routing rows gathered from its attempts (None: none were asked).
+        self.routed = RoutedRows(routed_experts_from) if routed_experts_from is not None else None
         self._slot: asyncio.Future[WorkerHandle] | None = None
         # Events not yet taken by ``events()`` and the consumer's wake-up; how many token
         # ids and how many other events are waiting, how many token ids wake the
@@ -368,9 +433,10 @@ class RelayCall:
         """Which version sampled which of the call's tokens (the first ``total``)."""
         return version_spans(self.segments, len(self.received) if total is None else total)
 
-    def _last_tokens(self, done: protocol.Done) -> None:
-        """An attempt's Done: its last tokens arrive, and the worker says which version
-        sampled the attempt's tokens (replacing what the pool assumed at dispatch)."""
+    def _last_tokens(self, done: protocol.Done, handle: WorkerHandle) -> None:
+        """An attempt's Done: its last tokens and routing rows arrive, and the worker says
+        which version sampled the attempt's tokens (replacing what the pool assumed at
+        dispatch)."""
         if done.token_ids:
             ids = protocol.unpack_ids(done.token_ids)
             self.received.extend(ids)
@@ -378,19 +444,55 @@ class RelayCall:
         version = done.extra.get(protocol.POLICY_VERSION)
         if self.segments and isinstance(version, int) and not isinstance(version, bool):
             self.segments[-1] = (self.segments[-1][0], version)
+        self._rows(done, handle)
+
+    def _rows(self, done: protocol.Done, handle: WorkerHandle) -> None:
+        """Keep the routing rows of an attempt's Done (rows that do not fit the model's
+        shape are dropped: the positions stay without rows)."""
+        routed, rows = self.routed, done.routed_experts
+        if routed is None or rows is None:
+            return
+        info = handle.models.get(self.model)
+        shape = info.routing if info is not None else None
+        if shape is None:
+            log.warning("worker %s sent routing rows it did not announce", handle.worker_id)
+            return
+        version = self.segments[-1][1] if self.segments else handle.version
+        try:
+            routed.add(rows, shape, version)
+        except ValueError as exc:
+            log.warning(
+                "request %s: routing rows from %s dropped: %s",
+                self.request_id,
+                handle.worker_id,
+                exc,
+            )
 
     def generate_message(self) -> protocol.Generate:
         """The frame for the next attempt: the original prompt, or after a lost worker the
         prompt plus the tokens already sampled, with the token budget reduced to match."""
+        routed_from = self.routed.end if self.routed is not None else None
         if not self.received:
             return protocol.Generate(
-                self.request_id, self.model, self.prompt, self.sampling, images=self.images
+                self.request_id,
+                self.model,
+                self.prompt,
+                self.sampling,
+                images=self.images,
+                routed_experts_from=routed_from,
             )
         sampling = msgspec.structs.replace(
             self.sampling, max_tokens=self.sampling.max_tokens - len(self.received)
         )
         prompt = self.prompt + protocol.pack_ids(self.received)
-        return protocol.Generate(self.request_id, self.model, prompt, sampling, images=self.images)
+        return protocol.Generate(
+            self.request_id,
+            self.model,
+            prompt,
+            sampling,
+            images=self.images,
+            routed_experts_from=routed_from,
+        )
 
     def image_frames(self, handle: WorkerHandle) -> list[bytes]:
         """The frames that give ``handle``'s worker the images this call needs: drops past
@@ -603,6 +705,14 @@ class WorkerPool:
                 models.setdefault(name, info)
         return models
 
+    def routing(self, model: str) -> protocol.RoutingShape | None:
+        """The routing shape of ``model`` as a connected worker reports it (None: no
+        worker serving it now can report routing)."""
+        for handle in self.workers.values():
+            if reports_routing(handle, model):
+                return handle.models[model].routing
+        return None
+
     @property
     def in_flight(self) -> int:
         """Requests not finished yet: running on a worker or waiting for one."""
@@ -757,11 +867,16 @@ class WorkerPool:
         affinity: str | None = None,
         request_id: str | None = None,
         images: Sequence[PromptImage] = (),
+        routed_experts_from: int | None = None,
     ) -> RelayCall:
         """Dispatch a request, waiting up to ``wait_seconds`` for a free worker. Its
-        ``images`` go to the worker it runs on (only a worker that takes images)."""
+        ``images`` go to the worker it runs on (only a worker that takes images).
+        ``routed_experts_from``: the routing rows of positions from there on are asked (only
+        of a worker that reports routing for the model) and gathered in ``call.routed``."""
         rid = RequestId(request_id or f"req-{next(self._ids)}")
-        call = RelayCall(self, rid, model, prompt_ids, sampling, affinity, images)
+        call = RelayCall(
+            self, rid, model, prompt_ids, sampling, affinity, images, routed_experts_from
+        )
         self._calls[rid] = call
         try:
             await self._dispatch(call)
@@ -887,6 +1002,7 @@ class WorkerPool:
             if call.model in h.models
             and h.state is WorkerState.SERVING
             and (not call.images or h.endpoint.takes_images)
+            and (call.routed is None or reports_routing(h, call.model))
         ]
         preferred = self._affinity.get(call.affinity) if call.affinity else None
         chosen = choose_worker(loads, preferred)
@@ -977,7 +1093,7 @@ class WorkerPool:
         self._calls.pop(rid, None)
         if isinstance(message, protocol.Done):
             handle.served += 1
-            call._last_tokens(message)
+            call._last_tokens(message, handle)
             call._transition(RequestState.FINISHED)
             call._push(FinishedEvent(message.finish_reason, handle.worker_id, dict(message.extra)))
         else:
@@ -987,7 +1103,7 @@ class WorkerPool:
     def _preempted(self, handle: WorkerHandle, call: RelayCall, done: protocol.Done) -> None:
         """A weight update aborted the request: it continues from its tokens, on the new
         weights (it waits in the queue, at the front, while the update holds the pool)."""
-        call._last_tokens(done)
+        call._last_tokens(done, handle)
         call.state = RequestState.QUEUED
         call.worker_id = None
         call.attempts -= 1  # a preemption is no failed attempt

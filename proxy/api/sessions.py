@@ -17,6 +17,7 @@ from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Session, SessionState
 from proxy.sessions.options import validate_options
+from relay.pool import WorkerPool
 
 
 class CreateSession(BaseModel):
@@ -29,6 +30,7 @@ class CreateSession(BaseModel):
     history: Any = None
     chat_template_kwargs: Any = None
     cap_finish: Any = None
+    routed_experts: Any = None
 
 
 class CompleteSession(BaseModel):
@@ -62,12 +64,17 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
     check_session_count(
         request.app[SERVICE].limits, len(registry), request.app[CONFIG].retry_after_seconds
     )
+    options = validate_options(
+        spec.history, spec.chat_template_kwargs, spec.cap_finish, spec.routed_experts
+    )
+    if options.routed_experts:
+        _check_routing(request.app[POOL], spec.model)
     session = registry.create(
         spec.trial_id,
         metadata=spec.metadata,
         sampling=validate_session_sampling(spec.sampling),
         model=spec.model,
-        options=validate_options(spec.history, spec.chat_template_kwargs, spec.cap_finish),
+        options=options,
     )
     try:
         await registry.save(session)
@@ -82,6 +89,20 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
         },
         status=201,
     )
+
+
+def _check_routing(pool: WorkerPool, model: str | None) -> None:
+    """A session that asks for routing rows is refused when the pool can tell that its
+    model (the one named, else the only one served) has no worker that reports them.
+    With no worker connected it cannot tell: its first request is refused instead."""
+    served = pool.served_models()
+    name = model if model in served else (next(iter(served)) if len(served) == 1 else None)
+    if name is not None and pool.routing(name) is None:
+        raise BadRequestError(
+            f"model {name!r} reports no expert routing (a dense model, or workers whose "
+            "engine cannot report it): create the session without routed_experts",
+            code="routing_unsupported",
+        )
 
 
 async def create_session(request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
 from proxy.images import ImageData
 from proxy.sessions.options import SessionOptions
+from proxy.sessions.routing import TurnRouting, export_routing
 
 TrialId = NewType("TrialId", str)
 
@@ -143,10 +144,19 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
     children: int = 0
     # The images among its context tokens, in order, placed in the whole prompt.
     images: tuple[PlacedImage, ...] = ()
+    # Its routing rows, in a session that asked for them (proxy.sessions.routing): the
+    # positions [parent's end - 1 (0 for a root), end - 1).
+    routing: TurnRouting | None = None
 
     @property
     def end(self) -> int:
         return self.prompt_len + len(self.completion_ids)
+
+    @property
+    def routing_missing(self) -> bool:
+        """Whether rows of its positions never came (a trainer replaying routing leaves
+        it out)."""
+        return self.routing is None or bool(self.routing.missing)
 
 
 def node_versions(node: TurnNode) -> list[tuple[int, int, int]]:
@@ -338,6 +348,8 @@ class Session:
                     "versions": [[v, start + lo, start + hi] for v, lo, hi in spans],
                 }
             )
+            if self.options.routed_experts:
+                turns[-1]["routing_missing"] = node.routing_missing
         out: dict[str, Any] = {
             "prompt_ids": root.context_ids.tolist(),
             "response_ids": response,
@@ -351,6 +363,15 @@ class Session:
             # Spans index prompt_ids + response_ids: a prompt's positions are the same in
             # every turn of the path.
             out["multi_modal_data"] = {"images": [self._image_entry(i) for i in placed]}
+        if self.options.routed_experts:
+            # Row i is position i of prompt_ids + response_ids; each turn's rows follow
+            # its parent's.
+            out["routed_experts"] = export_routing(
+                [
+                    (0 if i == 0 else path[i - 1].end - 1, node.end - 1, node.routing)
+                    for i, node in enumerate(path)
+                ]
+            )
         return out
 
     def _image_entry(self, placed: PlacedImage) -> dict[str, Any]:
@@ -386,6 +407,11 @@ class Session:
             "turns": len(self.nodes),
             "branches": sum(1 for _ in self.leaves()),
             "undelivered_turns": sum(1 for n in self.nodes if not n.meta.delivered),
+            **(
+                {"routing_missing_turns": sum(1 for n in self.nodes if n.routing_missing)}
+                if self.options.routed_experts
+                else {}
+            ),
             "tokens": {"sampled": sampled, "context": context, "stored": sampled + context},
             "created_at": self.created_at,
             "updated_at": self.updated_at,

@@ -21,6 +21,10 @@
 
   Either way the turn's record keeps ``finish_reason: "length"`` and ``capped: true``.
 
+* ``routed_experts``: record the experts a mixture-of-experts policy routed every token to
+  (rollout routing replay, R3; ``proxy.sessions.routing``), for a model whose workers can
+  report them. Off by default: nothing is asked of the engines or recorded.
+
 * ``chat_template_kwargs``: extra variables for the chat template on every rendering of
   the session (Qwen3's ``{"enable_thinking": false}``, DeepSeek-V3.1's
   ``{"thinking": true}``, gpt-oss's ``{"reasoning_effort": "high"}``).
@@ -74,12 +78,14 @@ class SessionOptions:
     history: HistoryPolicy = HistoryPolicy.KEEP
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     cap_finish: CapFinish = CapFinish.LENGTH
+    routed_experts: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "history": self.history.value,
             "chat_template_kwargs": dict(self.chat_template_kwargs),
             "cap_finish": self.cap_finish.value,
+            "routed_experts": self.routed_experts,
         }
 
     @classmethod
@@ -89,6 +95,7 @@ class SessionOptions:
             HistoryPolicy(raw.get("history", HistoryPolicy.KEEP.value)),
             dict(raw.get("chat_template_kwargs") or {}),
             CapFinish(raw.get("cap_finish", CapFinish.LENGTH.value)),
+            bool(raw.get("routed_experts", False)),
         )
 
 
@@ -106,7 +113,7 @@ def _choice(kind: type[E], name: str, value: Any, default: E) -> E:
 
 
 def validate_options(
-    history: Any, chat_template_kwargs: Any, cap_finish: Any = None
+    history: Any, chat_template_kwargs: Any, cap_finish: Any = None, routed_experts: Any = None
 ) -> SessionOptions:
     """The options of a session-creation request; BadRequestError (``invalid_option``)
     names what is wrong."""
@@ -128,4 +135,6 @@ def validate_options(
                 code="invalid_option",
             )
         kwargs = dict(chat_template_kwargs)
-    return SessionOptions(policy, kwargs, cap)
+    if routed_experts is not None and not isinstance(routed_experts, bool):
+        raise BadRequestError("routed_experts must be true or false", code="invalid_option")
+    return SessionOptions(policy, kwargs, cap, bool(routed_experts))

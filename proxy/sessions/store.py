@@ -9,7 +9,9 @@ it (group commit), so many concurrent turns share one fsync.
 Token ids and logprobs are stored as little-endian int32 / float32 arrays (4 bytes a
 token), a turn's metadata as JSON. An image's bytes are stored once per trial, by their
 sha256, in the transaction of the first turn whose prompt holds it; a turn row names its
-images and their places. A turn row holds only what the turn added (its context
+images and their places. A turn's routing rows (a session that asked for them) are one
+BLOB of the C-order array as the engine sent it, beside a JSON head (their positions, the
+missing ranges, the versions), in the turn's own row and transaction. A turn row holds only what the turn added (its context
 and completion tokens); prefixes shared by branches are stored once, as in memory.
 
 Durability: WAL with ``synchronous=FULL`` survives a crash of the process and of the
@@ -49,17 +51,22 @@ from proxy.sessions.model import (
     TurnNode,
 )
 from proxy.sessions.options import SessionOptions
+from proxy.sessions.routing import RoutingHead, TurnRouting
 
 __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_array"]
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 3
-# What each older schema version needs to become the current one.
-_MIGRATIONS = {
-    1: "ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",  # session options
-    2: "ALTER TABLE turns ADD COLUMN images TEXT NOT NULL DEFAULT '[]'",  # a turn's images
+SCHEMA_VERSION = 4
+# What each older schema version needs to become the next one.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",),  # options
+    2: ("ALTER TABLE turns ADD COLUMN images TEXT NOT NULL DEFAULT '[]'",),  # a turn's images
+    3: (  # a turn's routing rows (NULL: none recorded)
+        "ALTER TABLE turns ADD COLUMN routing BLOB",
+        "ALTER TABLE turns ADD COLUMN routing_head TEXT",
+    ),
 }
 # Writes waiting when a transaction starts that are committed with it.
 _GROUP_COMMIT = 512
@@ -95,6 +102,8 @@ CREATE TABLE IF NOT EXISTS turns (
     key BLOB NOT NULL,
     meta TEXT NOT NULL,
     images TEXT NOT NULL DEFAULT '[]',
+    routing BLOB,
+    routing_head TEXT,
     PRIMARY KEY (trial_id, idx)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS images (
@@ -177,6 +186,8 @@ def _turn_row(trial_id: str, n: TurnNode) -> tuple[Any, ...]:
         n.key,
         _json(n.meta),
         _json(n.images),
+        n.routing.data if n.routing is not None else None,
+        _json(n.routing.head()) if n.routing is not None else None,
     )
 
 
@@ -237,7 +248,19 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         key=bytes(row["key"]),
         meta=TurnMeta(**meta),
         images=msgspec.json.decode(row["images"], type=tuple[PlacedImage, ...]),
+        routing=_routing_from(row),
     )
+
+
+def _routing_from(row: sqlite3.Row) -> TurnRouting | None:
+    head = row["routing_head"]
+    if head is None:
+        return None
+    try:
+        decoded = msgspec.json.decode(head, type=RoutingHead)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"turn {row['idx']}: routing head: {exc}") from None
+    return TurnRouting.from_head(decoded, bytes(row["routing"] or b""))
 
 
 # ---------------------------------------------------------------------- operations
@@ -272,7 +295,8 @@ def _put_turn(
             db.executemany("INSERT OR IGNORE INTO images VALUES (?,?,?,?,?,?)", image_rows)
         db.execute(
             "INSERT INTO turns (trial_id, idx, parent, context_ids, completion_ids, logprobs,"
-            " prompt_len, key, meta, images) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            " prompt_len, key, meta, images, routing, routing_head)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             turn_row,
         )
 
@@ -432,7 +456,8 @@ class SessionStore:
             elif int(row[0]) in _MIGRATIONS:
                 db.execute("BEGIN IMMEDIATE")  # all of it or nothing
                 for version in range(int(row[0]), SCHEMA_VERSION):
-                    db.execute(_MIGRATIONS[version])
+                    for statement in _MIGRATIONS[version]:
+                        db.execute(statement)
                 db.execute(
                     "UPDATE relay_meta SET value=? WHERE key='schema_version'",
                     (str(SCHEMA_VERSION),),

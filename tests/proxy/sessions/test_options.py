@@ -22,6 +22,7 @@ def test_valid_options_round_trip_through_their_dict() -> None:
         "history": "template",
         "chat_template_kwargs": {"enable_thinking": False, "effort": "high"},
         "cap_finish": "stop",
+        "routed_experts": False,
     }
     assert SessionOptions.from_dict(options.as_dict()) == options
     assert SessionOptions.from_dict({}) == SessionOptions()
@@ -51,3 +52,14 @@ def test_cap_finish_must_be_length_or_stop() -> None:
     assert validate_options(None, None).cap_finish is CapFinish.LENGTH
     with pytest.raises(BadRequestError, match="cap_finish must be one of: length, stop"):
         validate_options(None, None, "end_turn")
+
+
+def test_routed_experts_is_off_unless_asked_and_must_be_a_boolean() -> None:
+    """Routing rows are recorded only for a session that asks (kept with its options);
+    anything but true or false is refused."""
+    assert validate_options(None, None).routed_experts is False
+    asked = validate_options(None, None, None, True)
+    assert asked.routed_experts is True
+    assert SessionOptions.from_dict(asked.as_dict()) == asked
+    with pytest.raises(BadRequestError, match="routed_experts must be true or false"):
+        validate_options(None, None, None, "yes")

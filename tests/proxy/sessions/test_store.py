@@ -98,6 +98,12 @@ async def _stored(path: Path, session: Session) -> SessionStore:
     return store
 
 
+def _drop_routing(db: sqlite3.Connection) -> None:
+    """Back to the version 3 layout: turns without routing rows."""
+    db.execute("ALTER TABLE turns DROP COLUMN routing")
+    db.execute("ALTER TABLE turns DROP COLUMN routing_head")
+
+
 async def _reopen(path: Path) -> tuple[SessionStore, list[Session]]:
     store = await SessionStore.open(path)
     loaded = await store.load()
@@ -284,6 +290,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)  # back to the version 1 layout
     db.execute("ALTER TABLE sessions DROP COLUMN options")
+    _drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
     db.execute("UPDATE relay_meta SET value='1' WHERE key='schema_version'")
@@ -297,7 +304,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 3
+    assert int(version) == SCHEMA_VERSION == 4
 
 
 async def test_version_spans_round_trip(tmp_path: Path) -> None:
@@ -435,6 +442,7 @@ async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
         await store.save_turn(s, node)
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
+    _drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
     db.execute("UPDATE relay_meta SET value='2' WHERE key='schema_version'")
