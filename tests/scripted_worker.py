@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from transformers import AutoTokenizer
 
+from relay import protocol
 from rollout_relay.embedded import RunningProxy
 from tests.scripted_policy import ScriptedEngine
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
-from worker_client.engine import FinishReason, SamplingParams, TokenChunk
+from worker_client.engine import FinishReason, ImageSpan, SamplingParams, TokenChunk
+from worker_client.exceptions import EngineError
+from worker_client.outbox import Outbox
 
 # Seconds between two tokens: enough that each engine step leaves as a frame of its own.
 STEP_SECONDS = 0.002
@@ -116,6 +121,102 @@ def serve_scripted(running: RunningProxy, model_dir: Path, worker_id: str) -> Pa
     )
     running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
     return engine
+
+
+# The routing a scripted mixture-of-experts engine reports: 2 MoE layers, 2 of 8 experts.
+ROUTING = protocol.RoutingShape(layers=2, top_k=2, experts=8)
+
+
+def routing_row(position: int, token: int) -> bytes:
+    """The experts the scripted engine routes the token ``token`` at ``position`` to: a
+    function of both, so rows put at the wrong position or for the wrong token show."""
+    width = ROUTING.layers * ROUTING.top_k
+    return bytes((token * 7 + position * 3 + slot) % ROUTING.experts for slot in range(width))
+
+
+def routing_rows(ids: Sequence[int], start: int, end: int) -> bytes:
+    return b"".join(routing_row(p, ids[p]) for p in range(start, end))
+
+
+class RoutingWorkerClient(WorkerClient):
+    """A worker whose (scripted) engines report routing, as a mixture-of-experts engine
+    would: the hello announces ``ROUTING`` and each Done brings the rows asked for
+    (``routing_row`` of every position run forward from the one asked). ``early`` rows
+    more than asked (an engine may start earlier), ``short`` fewer at the end (an engine
+    that gave fewer); ``asked`` records (asked from, rows start, rows) per request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hello_models = [
+            msgspec.structs.replace(info, routing=ROUTING) for info in self._hello_models
+        ]
+        self.early = 0
+        self.short = 0
+        self.asked: list[tuple[int | None, int, int]] = []
+        self._from: dict[str, int | None] = {}
+
+    async def _run_request(
+        self, outbox: Outbox, message: protocol.Generate, images: Sequence[ImageSpan] = ()
+    ) -> None:
+        self._from[message.request_id] = message.routed_experts_from
+        try:
+            await super()._run_request(outbox, message, images)
+        finally:
+            self._from.pop(message.request_id, None)
+
+    async def _generate(
+        self,
+        outbox: Outbox,
+        served: ServedModel,
+        rid: str,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageSpan] = (),
+    ) -> None:
+        ids = list(prompt)
+        stream = served.engine.generate(rid, prompt, sampling, images)
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                ids.extend(chunk.token_ids)
+                if chunk.finish_reason is None:
+                    outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
+                    continue
+                asked = self._from.get(rid)
+                routed = None
+                if asked is not None:
+                    start = max(0, asked - self.early)
+                    end = max(start, len(ids) - 1 - self.short)
+                    routed = protocol.RoutedExperts(
+                        start, end - start, routing_rows(ids, start, end)
+                    )
+                    self.asked.append((asked, start, end - start))
+                else:
+                    self.asked.append((None, 0, 0))
+                outbox.finish(
+                    protocol.Done(
+                        rid,
+                        chunk.finish_reason.value,
+                        protocol.pack_ids(chunk.token_ids),
+                        protocol.pack_logprobs(chunk.logprobs),
+                        dict(chunk.extra),
+                        routed_experts=routed,
+                    )
+                )
+                return
+        raise EngineError("engine stream ended without a finish reason")
+
+
+def serve_routing(
+    running: RunningProxy, model_dir: Path, worker_id: str
+) -> tuple[PacedScriptedEngine, RoutingWorkerClient]:
+    """A scripted engine on the tiny model served as a mixture-of-experts model that
+    reports routing (``RoutingWorkerClient``)."""
+    engine = scripted_engine(model_dir)
+    client = RoutingWorkerClient(
+        running.worker_url, {engine.card.name: ServedModel(engine, model_dir)}, worker_id=worker_id
+    )
+    running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    return engine, client
 
 
 async def _serve(proxy_url: str, model_dir: Path, worker_id: str, delay: float) -> None:
