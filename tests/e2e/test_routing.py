@@ -245,3 +245,25 @@ async def test_a_worker_lost_mid_turn_leaves_the_turn_without_its_rows(
         assert traj["routed_experts"]["missing"] == [[0, rows]]
     finally:
         await running.stop()
+
+
+async def test_a_replayed_retry_asks_and_records_no_rows(
+    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
+) -> None:
+    """A retry answered with the recorded reply runs nothing: no rows are asked, and the
+    session's rows are the first attempt's."""
+    running, engine, client = moe
+    engine.script(tiny_reply("Once."))
+    async with aiohttp.ClientSession(running.url) as http:
+        _, created = await _session(http, routed_experts=True)
+        trial = created["trial_id"]
+        body = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": "Hi."}]}
+        for retry in ("0", "1"):
+            headers = {"x-stainless-retry-count": retry}
+            async with http.post(f"/{trial}/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+        export = await _export(http, trial)
+    assert len(client.asked) == 1
+    (traj,) = export["trajectories"]
+    assert traj["turns"][0]["replays"] == 1
+    _check_rows(traj)
