@@ -105,7 +105,9 @@ class AgentLoopConfig:
     ``max_response_tokens``, ``overlong_prompt``, ``keep_undelivered`` (train replies
     the agent never received too), ``max_staleness`` (None: no limit) and ``stale``: see
     ``sdk.samples``. ``max_attempts`` and the ``retry_backoff_*`` settings: see the
-    module docstring.
+    module docstring. ``routed_experts``: each trial records the experts a
+    mixture-of-experts policy routed every token to (R3), and every sample carries them
+    (``Sample.routed_experts``); an export without them fails the attempt.
     """
 
     agent: str
@@ -127,6 +129,7 @@ class AgentLoopConfig:
     stale: StaleTokens = StaleTokens.MASK
     retry_backoff_seconds: float = 0.5
     retry_backoff_max_seconds: float = 8.0
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -264,6 +267,7 @@ class RemoteAgentLoop:
                 metadata={**(metadata or {}), "task": str(task), "attempt": attempt.number},
                 sampling=dict(sampling or cfg.sampling or {}) or None,
                 model=None,
+                routed_experts=cfg.routed_experts,
             )
             attempt.trial_id = trial.trial_id
             attempt.advance(AttemptState.REGISTERED)
@@ -309,6 +313,12 @@ class RemoteAgentLoop:
             )
             if not samples:
                 attempt.error = _why_no_samples(export, cfg, version)
+                return None
+            if cfg.routed_experts and any(s.routed_experts is None for s in samples):
+                attempt.error = (
+                    "the session asked for routed_experts but the export has none: the "
+                    "proxy or its worker's engine does not record routing"
+                )
                 return None
             # The images' bytes, before the session (and its images) is deleted.
             await self.proxy.fill_images(trial.trial_id, samples)
@@ -377,7 +387,11 @@ def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig, version: int |
     if not export.get("trajectories"):
         return "the agent made no model call through the proxy"
     if not build_samples(export, keep_undelivered=cfg.keep_undelivered):
-        return "no reply reached the agent: every turn was undelivered or superseded by a retry"
+        return (
+            "no reply reached the agent (every turn was undelivered or superseded by a "
+            "retry), or every trajectory's first turn was sampled after a routing row the "
+            "engine could not give"
+        )
     if version is not None and not build_samples(
         export,
         keep_undelivered=cfg.keep_undelivered,

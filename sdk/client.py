@@ -189,10 +189,13 @@ class ProxyClient(HttpClient):
         history: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cap_finish: str | None = None,
+        routed_experts: bool = False,
     ) -> TrialSession:
         """Register a trial. ``history`` (``"keep"``, the default, or ``"template"``),
         ``chat_template_kwargs`` and ``cap_finish`` (``"length"``, the default, or
-        ``"stop"``) are session options: see the README."""
+        ``"stop"``) are session options: see the README. ``routed_experts``: record which
+        experts a mixture-of-experts policy routed every token to (rollout routing
+        replay; the export's ``routed_experts``, ``Sample.routed_experts``)."""
         payload: dict[str, Any] = {"metadata": metadata or {}}
         options = {
             "sampling": sampling,
@@ -200,6 +203,7 @@ class ProxyClient(HttpClient):
             "history": history,
             "chat_template_kwargs": chat_template_kwargs,
             "cap_finish": cap_finish,
+            "routed_experts": True if routed_experts else None,
         }
         payload.update({k: v for k, v in options.items() if v is not None})
         if trial_id is not None:

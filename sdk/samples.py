@@ -64,14 +64,32 @@ after any image it would split (the prompt is then shorter), a response cut at
 ``max_response_tokens`` (or where the agent stopped receiving) is cut before it, and the
 images left outside are dropped with their tokens. The bytes are not in the export: the
 agent loop fills ``SampleImage.data`` from the proxy (``ProxyClient.fill_images``).
+
+Routing (rollout routing replay, R3, for a mixture-of-experts policy): a session created
+with ``routed_experts`` exports, per trajectory, the experts every token was routed to at
+every MoE layer: ``routed_experts = {"dtype": "uint8" | "uint16", "shape": [rows, layers,
+top_k], "data": base64 of the C-order (little-endian) array, "missing": [[start, end],
+...]}``, row ``i`` for position ``i`` of ``prompt_ids + response_ids`` and ``rows`` one
+less than their length (the last token is never run forward). Every sample of such a
+trajectory carries ``Sample.routed_experts``, the rows of its own ids (``len(prompt_ids +
+response_ids) - 1`` of them, cut and shifted with its prompt and response). Rows in
+``missing`` are zeros the engine could not give: a sampled token after such a row was
+computed with routing nobody knows, so the trajectory ends before its first turn that the
+proxy marks ``routing_missing`` or that samples a token after a missing row, as it ends
+before an undelivered turn (whatever ``keep_undelivered`` says); one left empty is
+dropped.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 class BranchPolicy(enum.StrEnum):
@@ -149,6 +167,82 @@ def export_images(traj: dict[str, Any]) -> list[SampleImage]:
     return images
 
 
+# The dtypes an export's routing may come in (at most 256 experts: uint8).
+ROUTING_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
+
+
+@dataclass(slots=True, frozen=True)
+class ExportRouting:
+    """An exported trajectory's routing: ``rows`` ``[positions, layers, top_k]``, row ``i``
+    for position ``i`` of its ``prompt_ids + response_ids``; ``missing``: half-open ranges
+    of rows the engine could not give (zeros there)."""
+
+    rows: np.ndarray[Any, Any]
+    missing: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def first_missing(self) -> int | None:
+        return min((start for start, _ in self.missing), default=None)
+
+
+def encode_routing(
+    rows: np.ndarray[Any, Any], missing: Sequence[tuple[int, int]] = ()
+) -> dict[str, Any]:
+    """The export's ``routed_experts`` entry for ``rows`` (uint8 or uint16)."""
+    name = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "uint16"}.get(rows.dtype)
+    if name is None or rows.ndim != 3:
+        raise ValueError(
+            f"routing rows must be [rows, layers, top_k] uint8/uint16, not {rows.dtype}"
+        )
+    data = np.ascontiguousarray(rows, dtype=ROUTING_DTYPES[name]).tobytes()
+    return {
+        "dtype": name,
+        "shape": list(rows.shape),
+        "data": base64.b64encode(data).decode("ascii"),
+        "missing": [[int(a), int(b)] for a, b in missing],
+    }
+
+
+def export_routing(traj: dict[str, Any]) -> ExportRouting | None:
+    """The routing of an exported trajectory (None: it has none), checked against its ids."""
+    entry = traj.get("routed_experts")
+    if entry is None:
+        return None
+    if isinstance(entry, ExportRouting):
+        return entry
+    dtype = ROUTING_DTYPES.get(str(entry.get("dtype")))
+    if dtype is None:
+        raise ValueError(f"routed_experts: unknown dtype {entry.get('dtype')!r}")
+    shape = tuple(int(x) for x in entry["shape"])
+    expected = len(traj["prompt_ids"]) + len(traj["response_ids"]) - 1
+    if len(shape) != 3 or shape[0] != max(expected, 0):
+        raise ValueError(
+            f"routed_experts of shape {list(shape)} for {expected + 1} ids: expected "
+            f"[{expected}, layers, top_k] (one row per id but the last)"
+        )
+    raw = base64.b64decode(entry["data"], validate=True)
+    if len(raw) != int(np.prod(shape)) * dtype.itemsize:
+        raise ValueError(f"routed_experts: {len(raw)} bytes for shape {list(shape)} {dtype}")
+    rows = np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+    missing: list[tuple[int, int]] = []
+    for pair in entry.get("missing") or []:
+        start, end = (int(x) for x in pair)
+        if not 0 <= start < end <= shape[0]:
+            raise ValueError(f"routed_experts: missing range {pair} outside {shape[0]} rows")
+        missing.append((start, end))
+    return ExportRouting(rows.astype(dtype.newbyteorder("="), copy=False), tuple(sorted(missing)))
+
+
+def routing_missing(turn: dict[str, Any], prompt_length: int, routing: ExportRouting) -> bool:
+    """Whether ``turn`` samples a token after a row its engine could not give (or the proxy
+    says so): its logprobs were computed with routing that cannot be replayed."""
+    if turn.get("routing_missing"):
+        return True
+    first = routing.first_missing
+    # The token at position p is computed from the rows of positions before p.
+    return first is not None and prompt_length + int(turn["response_end"]) - 1 > first
+
+
 @dataclass(slots=True)
 class Sample:
     trial_id: str
@@ -167,6 +261,9 @@ class Sample:
     stale_tokens: int = 0  # sampled tokens masked for being older than the limit
     # The images inside prompt_ids + response_ids, in order (empty: a text sample).
     images: list[SampleImage] = field(default_factory=list)
+    # R3: the experts each position of prompt_ids + response_ids but the last was routed
+    # to at rollout, [len(ids) - 1, layers, top_k] (None: the session recorded no routing).
+    routed_experts: np.ndarray[Any, Any] | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -217,10 +314,7 @@ def build_samples(
     stale: StaleTokens = StaleTokens.MASK,
     keep_undelivered: bool = False,
 ) -> list[Sample]:
-    trajectories: list[dict[str, Any]] = export.get("trajectories", [])
-    origin = list(range(len(trajectories)))  # each one's index in the export
-    if not keep_undelivered:
-        origin, trajectories = _received(trajectories)
+    origin, trajectories = _received(export.get("trajectories", []), keep_undelivered)
     if not trajectories:
         return []
     chosen = _chosen(list(enumerate(trajectories)), policy)
@@ -273,6 +367,7 @@ def build_samples(
                 ],
                 stale_tokens=stale_tokens,
                 images=draft.images,
+                routed_experts=draft.routed_experts,
             )
         )
     return samples
@@ -304,6 +399,7 @@ class _Draft:
     prompt_truncated: bool
     response_truncated: bool
     images: list[SampleImage] = field(default_factory=list)
+    routed_experts: np.ndarray[Any, Any] | None = None
 
     def stale_at(self, oldest: int) -> list[int]:
         """Positions of the trained tokens sampled by a version older than ``oldest``."""
@@ -328,6 +424,8 @@ def _draft(
     logprobs = list(traj["response_logprobs"])
     versions = _versions(traj, len(response))
     images = export_images(traj)
+    routing = export_routing(traj)
+    cut = 0  # ids cut from the prompt's start
     prompt_truncated = max_prompt_tokens is not None and len(prompt) > max_prompt_tokens
     if prompt_truncated:
         assert max_prompt_tokens is not None
@@ -362,6 +460,10 @@ def _draft(
         logprobs = logprobs[:keep]
         versions = versions[:keep]
     images = [i for i in images if i.end <= len(prompt) + len(response)]
+    rows = None
+    if routing is not None:
+        # The rows of this sample's ids (shifted with a cut prompt), none for its last id.
+        rows = routing.rows[cut : cut + max(len(prompt) + len(response) - 1, 0)]
     return _Draft(
         branch,
         traj,
@@ -373,6 +475,7 @@ def _draft(
         prompt_truncated,
         response_truncated,
         images,
+        rows,
     )
 
 
@@ -415,11 +518,15 @@ def _owners(trajectories: list[tuple[int, dict[str, Any]]]) -> dict[int, int]:
     return owners
 
 
-def _received(trajectories: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
-    """The trajectories cut to what the agent received: each ends before its first turn
-    that was not delivered or was superseded by a retry (unless a later turn continues
-    it); one left empty, or equal to the start of another, is dropped. Returns each kept
-    one's index in the export with it. Exports without the fields count as delivered."""
+def _received(
+    trajectories: list[dict[str, Any]], keep_undelivered: bool = False
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """The trajectories cut to what the agent received and to what their routing can
+    replay: each ends before its first turn that was not delivered or was superseded by a
+    retry (unless a later turn continues it; not checked with ``keep_undelivered``), or
+    that samples after a missing routing row; one left empty, or equal to the start of
+    another, is dropped. Returns each kept one's index in the export with it (its routing
+    decoded). Exports without the fields count as delivered."""
     turns = [turn for traj in trajectories for turn in traj["turns"]]
     continued = {t["parent"] for t in turns if t.get("parent") is not None}
     superseded = {t["retry_of"] for t in turns if t.get("retry_of") is not None}
@@ -430,9 +537,14 @@ def _received(trajectories: list[dict[str, Any]]) -> tuple[list[int], list[dict[
 
     cut: list[tuple[int, dict[str, Any]]] = []
     for index, traj in enumerate(trajectories):
+        routing = export_routing(traj)
+        if routing is not None:  # decoded once, checked against the whole trajectory
+            traj = {**traj, "routed_experts": routing}
         path = traj["turns"]
         n = 0
-        while n < len(path) and received(path[n]):
+        while n < len(path) and (keep_undelivered or received(path[n])):
+            if routing is not None and routing_missing(path[n], len(traj["prompt_ids"]), routing):
+                break
             n += 1
         if n == len(path):
             cut.append((index, traj))
