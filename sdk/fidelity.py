@@ -13,6 +13,15 @@ training batch without ``pixel_values``), so a trajectory with images and no byt
 is an error, never a silent text-only check. ``check_samples`` checks built samples, whose
 images carry their bytes (``Sample.images``); ``check_fidelity`` takes an export and the
 bytes by sha256.
+
+A trajectory with routing (a mixture-of-experts policy's, recorded for rollout routing
+replay) is faithful as the trainer replays it: re-scored with its routers forced to the
+recorded experts, through a scorer that takes them as ``routed_experts=`` (one row per id
+but the last: ``sdk.routing.ReplayScorer``). Scoring it with the model's own routing
+checks another thing (whether the trainer's router happens to agree), so a scorer that
+does not take them fails, never silently checks that. ``check_fidelity`` replays an
+export's rows as they are, zeros in its ``missing`` ranges too (the tokens after them
+fail); ``check_samples`` checks what trains (built samples leave those turns out).
 """
 
 from __future__ import annotations
@@ -21,12 +30,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sdk.samples import Sample, SampleImage, export_images
+import numpy as np
+
+from sdk.samples import Sample, SampleImage, export_images, export_routing
 from worker_client.engine import ImageSpan
 
 # score(prompt_ids, response_ids) -> logprob of each response id under the model; for a
 # trajectory with images, score(prompt_ids, response_ids, images) with the images
-# (``ImageSpan``: bytes and span in prompt_ids + response_ids) in order.
+# (``ImageSpan``: bytes and span in prompt_ids + response_ids) in order; for one with
+# routing, score(..., routed_experts=rows) with its rows [len(ids) - 1, layers, top_k].
 Scorer = Callable[..., list[float]]
 
 
@@ -63,11 +75,19 @@ def _scored(
     prompt: Sequence[int],
     response: Sequence[int],
     spans: Sequence[ImageSpan],
+    routing: np.ndarray[Any, Any] | None = None,
 ) -> list[float]:
-    expected = score(prompt, response, spans) if spans else score(prompt, response)
+    args: list[Any] = [prompt, response, spans] if spans else [prompt, response]
+    kwargs = {} if routing is None else {"routed_experts": routing}
+    expected = score(*args, **kwargs)
     if len(expected) != len(response):
         raise ValueError("scorer returned a wrong number of logprobs")
     return expected
+
+
+def _routing_rows(traj: dict[str, Any]) -> np.ndarray[Any, Any] | None:
+    routing = export_routing(traj)
+    return None if routing is None else routing.rows
 
 
 class _Worst:
@@ -99,7 +119,9 @@ def check_fidelity(
     for t, traj in enumerate(trajectories):
         spans = _spans(export_images(traj), images, f"trajectory {t}")
         used += len(spans)
-        expected = _scored(score, traj["prompt_ids"], traj["response_ids"], spans)
+        expected = _scored(
+            score, traj["prompt_ids"], traj["response_ids"], spans, _routing_rows(traj)
+        )
         worst.add(t, traj["response_mask"], traj["response_logprobs"], expected)
     return FidelityReport(len(trajectories), worst.sampled, worst.error, worst.where, used)
 
@@ -112,7 +134,9 @@ def check_samples(samples: Sequence[Sample], score: Scorer) -> FidelityReport:
     for t, sample in enumerate(samples):
         spans = _spans(sample.images, None, f"sample {t} (trial {sample.trial_id})")
         used += len(spans)
-        expected = _scored(score, sample.prompt_ids, sample.response_ids, spans)
+        expected = _scored(
+            score, sample.prompt_ids, sample.response_ids, spans, sample.routed_experts
+        )
         worst.add(t, sample.response_mask, sample.response_logprobs, expected)
     return FidelityReport(len(samples), worst.sampled, worst.error, worst.where, used)
 
@@ -137,8 +161,10 @@ def check_fidelity_by_version(
             raise ValueError(f"no scorer for versions {sorted(missing)}")
         spans = _spans(export_images(traj), images, f"trajectory {t}")
         used += len(spans)
+        rows = _routing_rows(traj)
         expected = {
-            v: _scored(scorers[v], traj["prompt_ids"], traj["response_ids"], spans) for v in needed
+            v: _scored(scorers[v], traj["prompt_ids"], traj["response_ids"], spans, rows)
+            for v in needed
         }
         actual = [
             expected[v][i] if m else 0.0
