@@ -23,6 +23,18 @@ returns verl's ``AgentLoopOutput`` for ONE trajectory of the session:
   is refused when verl gave the loop no processor (verl would train the ids without their
   pixels).
 
+* ``routed_experts`` (with the setting ``routed_experts: true``, for rollout routing
+  replay, R3): the experts the proxy's engine routed each token to at every MoE layer, the
+  field verl's own agent loops fill from vLLM/SGLang (``AgentLoopOutput.routed_experts``):
+  an ``int16`` array ``[len(prompt_ids + response_ids) - 1, layers, top_k]``, row ``i``
+  for position ``i`` of the unpadded ids (verl shifts it past the prompt's left padding and
+  pads the rest with zeros; its R3 replay leaves the last position unforced). Each trial
+  asks the proxy to record routing; a turn sampled after a row the engine could not give is
+  left out as an undelivered one is (``sdk.samples``). Train with verl's
+  ``actor_rollout_ref.rollout.enable_rollout_routing_replay=True`` and
+  ``actor_rollout_ref.actor.router_replay.mode=R3``: every output of the batch then carries
+  rows (the empty output of ``on_failure: empty`` zeros, shaped from the model).
+
 verl expects one output per sample, so the branch policy is ``longest`` (default) or
 ``last`` (see ``sdk.samples``).
 
@@ -37,7 +49,7 @@ Settings: ``proxy_url`` (required), ``admin_token``, ``task_server`` (``{"factor
 ``agent``, ``model``, ``timeout_seconds``, ``max_attempts``, ``branch_policy``,
 ``reward_key``, ``keep_undelivered`` (also train replies the agent never received),
 ``max_staleness`` (default 1; null: no limit) and ``stale`` (``mask`` or ``drop``),
-``retry_backoff_seconds``, ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
+``retry_backoff_seconds``, ``routed_experts``, ``agent_settings``, ``task_field`` (the row's ``extra_info`` key holding
 the task directory, default ``task_path``), ``max_tokens_per_call``, ``serve_rollout`` with ``worker_url`` / ``worker_token`` /
 ``served_model`` (the job's own rollout replicas serve the proxy through a worker with the
 ``verl`` backend, started once per process; the policy version of each turn is then verl's
@@ -72,6 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
@@ -130,6 +143,8 @@ class RemoteAgentSettings:
     max_staleness: int | None = DEFAULT_MAX_STALENESS
     stale: str = "mask"
     retry_backoff_seconds: float = 0.5
+    # R3: record each token's experts and return them as AgentLoopOutput.routed_experts.
+    routed_experts: bool = False
 
     @classmethod
     def from_sources(cls, kwargs: Mapping[str, Any], section: Any) -> RemoteAgentSettings:
@@ -180,6 +195,8 @@ class _Shared:
     task_server: TaskServer
     settings: RemoteAgentSettings
     worker: asyncio.Task[None] | None = None
+    # (layers, top_k) of the routing rows, once known (R3's empty outputs need it).
+    routing_shape: tuple[int, int] | None = None
 
 
 # One proxy client and task server per (settings, event loop) in this process.
@@ -248,6 +265,32 @@ def multi_modal_data(sample: Sample, processor: Any) -> dict[str, Any] | None:
     return {"images": [decode(image) for image in sample.images]}
 
 
+def verl_routed_experts(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A sample's routing rows as verl holds them: ``int16`` (its ``DataProto`` field and
+    the dtype its agent loop casts the engines' rows to), writable, C-order."""
+    return np.array(rows, dtype=np.int16, order="C", copy=True)
+
+
+def model_routing_shape(model_path: str) -> tuple[int, int]:
+    """(MoE layers, experts per token) of the model at ``model_path``, read from its
+    routers on a model built from its config on the meta device (no weights loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker_client.routing import routing_shape
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    shape = routing_shape(model)
+    if shape is None:
+        raise ValueError(
+            f"{AGENT_NAME}: routed_experts is set but {model_path} has no mixture-of-experts "
+            "routers"
+        )
+    return (shape.layers, shape.top_k)
+
+
 def to_output(sample: Sample, result: RolloutResult, processor: Any = None) -> AgentLoopOutput:
     # verl's staleness fields (its trainer logs trajectory_staleness from them, its replay
     # buffer bounds them): the oldest and newest weights that sampled a trained token.
@@ -264,7 +307,9 @@ def to_output(sample: Sample, result: RolloutResult, processor: Any = None) -> A
     }
     # Only set when there are images: verl's as_dict leaves unset fields out.
     images = multi_modal_data(sample, processor)
-    media = {} if images is None else {"multi_modal_data": images}
+    media: dict[str, Any] = {} if images is None else {"multi_modal_data": images}
+    if sample.routed_experts is not None:
+        media["routed_experts"] = verl_routed_experts(sample.routed_experts)
     return AgentLoopOutput(
         prompt_ids=sample.prompt_ids,
         response_ids=sample.response_ids,
@@ -379,6 +424,7 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
                 max_staleness=settings.max_staleness,
                 stale=StaleTokens(settings.stale),
                 retry_backoff_seconds=settings.retry_backoff_seconds,
+                routed_experts=settings.routed_experts,
             ),
         )
         metadata = {"index": _plain(kwargs.get("index")), "data_source": kwargs.get("data_source")}
@@ -387,13 +433,21 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
         except RemoteAgentLoopError as exc:
             if settings.on_failure == "raise":
                 raise
-            return self._failed_output(kwargs, exc)
-        return to_output(result.samples[0], result, self.processor)
+            return self._failed_output(kwargs, exc, shared)
+        sample = result.samples[0]
+        if sample.routed_experts is not None:
+            shared.routing_shape = (
+                int(sample.routed_experts.shape[1]),
+                int(sample.routed_experts.shape[2]),
+            )
+        return to_output(sample, result, self.processor)
 
     def _failed_output(
-        self, row: Mapping[str, Any], error: RemoteAgentLoopError
+        self, row: Mapping[str, Any], error: RemoteAgentLoopError, shared: _Shared | None = None
     ) -> AgentLoopOutput:
-        """A sample that trains nothing: the dataset prompt, one masked pad token."""
+        """A sample that trains nothing: the dataset prompt, one masked pad token (and,
+        with ``routed_experts``, rows of zeros: verl batches the field only when every
+        output has it)."""
         raw_prompt = _plain(row.get("raw_prompt")) or []
         text = (
             self._tokenizer.apply_chat_template(
@@ -405,6 +459,14 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
         ids = list(self._tokenizer.encode(text, add_special_tokens=False)) if text else []
         prompt_ids = ids[-int(self.rollout_config.prompt_length) :]
         pad = self._tokenizer.pad_token_id or self._tokenizer.eos_token_id or 0
+        routing: dict[str, Any] = {}
+        if self.settings.routed_experts:
+            shape = shared.routing_shape if shared is not None else None
+            if shape is None:
+                shape = model_routing_shape(str(self.config.actor_rollout_ref.model.path))
+                if shared is not None:
+                    shared.routing_shape = shape
+            routing["routed_experts"] = np.zeros((len(prompt_ids), *shape), np.int16)
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=[int(pad)],
@@ -414,6 +476,7 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
             num_turns=0,
             metrics=AgentLoopMetrics(),
             extra_fields={"remote_agent_failed": True, "error": str(error)[:500]},
+            **routing,
         )
 
 

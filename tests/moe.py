@@ -1,13 +1,17 @@
 """The tiny mixture-of-experts model as the routing tests use it: loaded, a chat prompt for
-it, and a sampled reply with its raw logprobs."""
+it, a sampled reply with its raw logprobs, and a two-turn episode exported with the routing
+captured while it was generated."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sdk.samples import encode_routing
+from worker_client.routing import RoutingCapture
 from worker_client.tiny_moe import SHIPPED_TINY_MOE
 
 
@@ -42,3 +46,36 @@ def generate(model: Any, prompt: torch.Tensor, seed: int = 5) -> tuple[torch.Ten
         [step[0].log_softmax(-1)[t] for step, t in zip(out.logits, sampled, strict=True)]
     )
     return sampled, logprobs
+
+
+def two_turn_episode(
+    model: Any, prompt: torch.Tensor
+) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
+    """Two sampled turns with context between them, as the proxy exports it; the routing
+    is what the engine's routers chose while generating the last turn (every position of
+    the trajectory but the last)."""
+    first, first_logprobs = generate(model, prompt, seed=5)
+    context = prompt[0, 1:7]  # a tool result's tokens
+    second_prompt = torch.cat([prompt[0], first, context])[None]
+    with RoutingCapture(model) as capture:
+        second, second_logprobs = generate(model, second_prompt, seed=6)
+    rows = capture.rows()
+    response = [*first.tolist(), *context.tolist(), *second.tolist()]
+    assert rows.shape[0] == prompt.shape[1] + len(response) - 1
+    end = len(first) + len(context)
+    traj = {
+        "prompt_ids": prompt[0].tolist(),
+        "response_ids": response,
+        "response_mask": [1] * len(first) + [0] * len(context) + [1] * len(second),
+        "response_logprobs": [
+            *first_logprobs.tolist(),
+            *[0.0] * len(context),
+            *second_logprobs.tolist(),
+        ],
+        "turns": [
+            {"turn": 0, "response_start": 0, "response_end": len(first)},
+            {"turn": 1, "parent": 0, "response_start": end, "response_end": len(response)},
+        ],
+        "routed_experts": encode_routing(rows),
+    }
+    return {"trial_id": "moe", "reward": 1.0, "trajectories": [traj]}, rows

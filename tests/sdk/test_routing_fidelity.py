@@ -15,47 +15,15 @@ from sdk.exceptions import RoutingReplayError
 from sdk.fidelity import check_fidelity, check_samples
 from sdk.routing import BatchReplay, ReplayScorer
 from sdk.samples import Sample, build_samples, encode_routing
-from tests.moe import generate
-from worker_client.routing import RoutingCapture
+from tests.moe import two_turn_episode
 from worker_client.tiny_moe import EXPERTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _episode(model: Any, prompt: torch.Tensor) -> tuple[dict[str, Any], np.ndarray[Any, Any]]:
-    """Two sampled turns with context between them, as the proxy exports it; the routing
-    is what the engine's routers chose while generating the last turn (every position of
-    the trajectory but the last)."""
-    first, first_logprobs = generate(model, prompt, seed=5)
-    context = prompt[0, 1:7]  # a tool result's tokens
-    second_prompt = torch.cat([prompt[0], first, context])[None]
-    with RoutingCapture(model) as capture:
-        second, second_logprobs = generate(model, second_prompt, seed=6)
-    rows = capture.rows()
-    response = [*first.tolist(), *context.tolist(), *second.tolist()]
-    assert rows.shape[0] == prompt.shape[1] + len(response) - 1
-    end = len(first) + len(context)
-    traj = {
-        "prompt_ids": prompt[0].tolist(),
-        "response_ids": response,
-        "response_mask": [1] * len(first) + [0] * len(context) + [1] * len(second),
-        "response_logprobs": [
-            *first_logprobs.tolist(),
-            *[0.0] * len(context),
-            *second_logprobs.tolist(),
-        ],
-        "turns": [
-            {"turn": 0, "response_start": 0, "response_end": len(first)},
-            {"turn": 1, "parent": 0, "response_start": end, "response_end": len(response)},
-        ],
-        "routed_experts": encode_routing(rows),
-    }
-    return {"trial_id": "moe", "reward": 1.0, "trajectories": [traj]}, rows
-
-
 @pytest.fixture(scope="module")
 def episode(tiny_moe: Any, tiny_moe_prompt: torch.Tensor) -> tuple[dict[str, Any], Any]:
-    return _episode(tiny_moe, tiny_moe_prompt)
+    return two_turn_episode(tiny_moe, tiny_moe_prompt)
 
 
 def _shifted(export: dict[str, Any], rows: np.ndarray[Any, Any]) -> dict[str, Any]:
