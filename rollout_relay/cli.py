@@ -421,6 +421,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch-threads", type=int, default=1, help="torch's intra-op threads (tiny model: 1)"
     )
     tr.add_argument(
+        "--moe",
+        action="store_true",
+        help="serve and train the tiny mixture-of-experts model (unless --model)",
+    )
+    tr.add_argument(
+        "--routed-experts",
+        action="store_true",
+        help="rollout routing replay (R3): record each token's experts, replay them in training",
+    )
+    tr.add_argument(
         "-v", "--verbose", action="store_true", help="log to the console, not to a file"
     )
 
@@ -704,7 +714,12 @@ def _train(args: argparse.Namespace) -> int:
         "the proxy's, worker's and trainer's",
         verbose=args.verbose,
     )
-    model = ensure_tiny_model(args.model, say)
+    if args.moe and args.model is None:
+        from worker_client.tiny_moe import SHIPPED_TINY_MOE
+
+        model = SHIPPED_TINY_MOE
+    else:
+        model = ensure_tiny_model(args.model, say)
     say(f"[1/3] model: {model} (the workers' version 0 and the trainer's start)")
     try:
         return run_train(
@@ -716,6 +731,7 @@ def _train(args: argparse.Namespace) -> int:
             generations=args.generations,
             prompts_per_step=args.prompts_per_step,
             torch_threads=args.torch_threads,
+            routed_experts=args.routed_experts,
             say=say,
         )
     except KeyboardInterrupt:

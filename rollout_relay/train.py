@@ -48,6 +48,7 @@ def run_train(
     generations: int,
     prompts_per_step: int,
     torch_threads: int = 1,
+    routed_experts: bool = False,
     say: Say = print,
 ) -> int:
     """Train; 0 when every step was on-policy (gap and versions), 1 otherwise."""
@@ -69,6 +70,7 @@ def run_train(
         learning_rate=learning_rate,
         generations=generations,
         prompts_per_step=prompts_per_step,
+        routed_experts=routed_experts,
     )
     config = ProxyConfig(
         host="127.0.0.1",
@@ -104,10 +106,19 @@ def run_train(
     )
     off = sum(s.off_step_tokens for s in report.steps)
     tokens = sum(s.sampled_tokens for s in report.steps)
+    replayed = " with the routing replayed" if routed_experts else ""
     say(
-        f"on-policy: largest gap {report.max_gap:.1e} (limit {GAP_LIMIT:.0e}); "
+        f"on-policy: largest gap{replayed} {report.max_gap:.1e} (limit {GAP_LIMIT:.0e}); "
         f"{tokens - off} of {tokens} sampled tokens carry the version of their step"
     )
+    if routed_experts:
+        own = max(s.gap for s in report.steps)
+        mean = statistics.fmean(s.gap_mean for s in report.steps)
+        mean_r3 = statistics.fmean(s.gap_r3_mean for s in report.steps)
+        say(
+            f"routing replay: mean gap {mean_r3:.1e} replayed, {mean:.1e} with the trainer's "
+            f"own routing (largest {own:.1e})"
+        )
     say(
         f"training {report.seconds:.0f}s, all {time.monotonic() - started:.0f}s; "
         f"plot {out_dir / 'train.png'}, figures {out_dir / 'train.json'}"

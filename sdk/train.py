@@ -15,6 +15,13 @@ are compared with the trainer's own teacher forcing (the on-policy gap) and the 
 versions with the step, then TRL takes one optimizer step. The figures per step go to
 ``<out>/train.json`` and a plot to ``<out>/train.png``. (``rollout_relay.train`` starts the proxy
 and the worker this runs against.)
+
+A mixture-of-experts policy with rollout routing replay (``routed_experts``): every
+session asks the proxy to record which experts each token was routed to, and the
+trainer's forward passes replay them (``sdk.trl``, ``sdk.routing.BatchReplay``); each
+step then reports the gap with the trainer's own routing and with the recorded one
+(``gap`` / ``gap_mean`` and ``gap_r3`` / ``gap_r3_mean``), and the run is on-policy when the
+replayed gap is within the limit.
 """
 
 from __future__ import annotations
@@ -159,6 +166,7 @@ class TrainSettings:
     seed: int = 0
     agent: AgentSettings = field(default_factory=AgentSettings)
     max_concurrent: int = 16
+    routed_experts: bool = False  # R3: record the rollout's routing and replay it
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,6 +180,19 @@ class StepFigures:
     episodes: int
     rollout_seconds: float
     push_seconds: float
+    gap_mean: float = float("nan")  # mean |recorded − teacher-forced| over sampled tokens
+    # The same with the routers forced to the recorded experts (R3; NaN: not replayed).
+    gap_r3: float = float("nan")
+    gap_r3_mean: float = float("nan")
+
+    @property
+    def trained_gap(self) -> float:
+        """The gap of what the trainer computes: replayed when it replays routing."""
+        return self.gap if self.gap_r3 != self.gap_r3 else self.gap_r3
+
+
+def _figure(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def step_figures(batch: RolloutBatch) -> StepFigures:
@@ -185,6 +206,9 @@ def step_figures(batch: RolloutBatch) -> StepFigures:
         episodes=len(batch.samples),
         rollout_seconds=round(batch.seconds, 3),
         push_seconds=round(batch.push.seconds if batch.push is not None else 0.0, 3),
+        gap_mean=_figure(batch.gap_mean),
+        gap_r3=_figure(batch.gap_r3),
+        gap_r3_mean=_figure(batch.gap_r3_mean),
     )
 
 
@@ -199,12 +223,14 @@ class TrainReport:
 
     @property
     def max_gap(self) -> float:
-        return max(s.gap for s in self.steps)
+        """The largest gap of what the trainer computed (replayed, with R3)."""
+        return max(s.trained_gap for s in self.steps)
 
     @property
     def on_policy(self) -> bool:
-        """Every step's gap within GAP_LIMIT and every sampled token of its version."""
-        return all(s.gap <= GAP_LIMIT and s.off_step_tokens == 0 for s in self.steps)
+        """Every step's gap (replayed, with R3) within GAP_LIMIT and every sampled token
+        of its version."""
+        return all(s.trained_gap <= GAP_LIMIT and s.off_step_tokens == 0 for s in self.steps)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -217,8 +243,11 @@ class TrainReport:
 
 
 def describe_step(figures: StepFigures) -> str:
+    gap = f"gap {figures.gap:.1e} (mean {figures.gap_mean:.1e})"
+    if figures.gap_r3 == figures.gap_r3:  # not NaN: routing replayed
+        gap += f", R3 {figures.gap_r3:.1e} (mean {figures.gap_r3_mean:.1e})"
     return (
-        f"step {figures.step:3d}: reward {figures.mean_reward:.2f}  gap {figures.gap:.1e}  "
+        f"step {figures.step:3d}: reward {figures.mean_reward:.2f}  {gap}  "
         f"versions {figures.versions}  ({figures.sampled_tokens} sampled tokens, "
         f"{figures.off_step_tokens} off-step; rollout {figures.rollout_seconds:.1f}s, "
         f"weights {figures.push_seconds:.2f}s)"
@@ -307,6 +336,7 @@ def train(
             retry_without_reward=False,
             sampling={"temperature": 1.0, "top_p": 1.0},
             timeout_seconds=300.0,
+            routed_experts=settings.routed_experts,
         ),
     )
     figures: list[StepFigures] = []
@@ -352,7 +382,7 @@ def plot(report: TrainReport, path: Path) -> Path:
     reward_axis.set_ylabel(f"mean reward (the agent called {REWARDED_TOOL})", color="tab:blue")
     reward_axis.set_ylim(-0.05, 1.05)
     gap_axis = reward_axis.twinx()
-    gaps = [max(s.gap, 1e-9) for s in report.steps]
+    gaps = [max(s.trained_gap, 1e-9) for s in report.steps]
     (gap_line,) = gap_axis.semilogy(steps, gaps, "s--", color="tab:red", markersize=3)
     limit = gap_axis.axhline(GAP_LIMIT, color="tab:red", linewidth=0.8, linestyle=":")
     gap_axis.set_ylabel("on-policy gap (logprob)", color="tab:red")
@@ -367,7 +397,8 @@ def plot(report: TrainReport, path: Path) -> Path:
         loc="lower right",
         fontsize=7,
     )
-    fig.suptitle("GRPO (TRL) through rollout-relay: tiny model, 2 CPU cores")
+    model = "tiny MoE, routing replayed" if report.settings.routed_experts else "tiny model"
+    fig.suptitle(f"GRPO (TRL) through rollout-relay: {model}, 2 CPU cores")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

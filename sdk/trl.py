@@ -68,6 +68,17 @@ during an episode cannot reach TRL's forward, which would train their placeholde
 without their pixels: ``rollout_output`` refuses a sample with images
 (``VisionRolloutError``). Train vision-language agents through the verl adapter.
 
+Routing replay (R3, a mixture-of-experts policy): with an agent loop whose config asks
+for ``routed_experts``, every episode's sample carries the experts the worker's engine
+routed each token to, and the rollout installs ``sdk.routing.BatchReplay`` on the
+trainer's model (once) and registers each batch's sequences with their rows. Every
+forward TRL then runs (the old logprobs and the loss, padded, shuffled and chunked as TRL
+likes, recomputed under gradient checkpointing) has its routers forced to the recorded
+experts of the sequences it runs; the gate weights of those experts, and their gradients,
+still come from the trainer. Nothing of TRL is patched: a forward pre-hook on the model
+finds each sequence by its ids. ``measure_gap`` then measures the gap both with the
+model's own routing and replayed (``RolloutBatch.gap`` / ``gap_r3``, and their means).
+
 Memory: ``history`` keeps the last ``keep_batches`` batches (default 1), for inspection and
 ``on_batch``; a caller that needs every step's figures records them in ``on_batch``.
 """
@@ -75,6 +86,7 @@ Memory: ``history`` keeps the last ``keep_batches`` batches (default 1), for ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import threading
@@ -88,7 +100,8 @@ from typing import Any, TypeVar
 
 from sdk.agent_loop import RemoteAgentLoop, RolloutResult
 from sdk.client import ProxyClient
-from sdk.exceptions import VisionRolloutError
+from sdk.exceptions import RoutingReplayError, VisionRolloutError
+from sdk.routing import BatchReplay
 from sdk.samples import BranchPolicy, Sample
 
 log = logging.getLogger(__name__)
@@ -179,22 +192,38 @@ def teacher_forced_logprobs(
     return [float(x) for x in scores.gather(-1, target).squeeze(-1)]
 
 
-def on_policy_gap(model: Any, samples: Sequence[Sample]) -> float:
-    """The largest |recorded − teacher-forced| logprob over the sampled (mask 1) tokens."""
+@dataclass(slots=True, frozen=True)
+class Gap:
+    """|recorded − teacher-forced| logprob over the sampled (mask 1) tokens."""
+
+    largest: float
+    mean: float
+    tokens: int
+
+
+def gap_of(model: Any, samples: Sequence[Sample]) -> Gap:
+    """The on-policy gap of ``samples`` under ``model`` as it runs (with its routers
+    forced, when a ``BatchReplay`` is installed on it and not paused)."""
     was_training = bool(model.training)
     model.eval()  # no dropout: the same function the worker sampled from
     try:
-        worst = 0.0
+        worst, total, tokens = 0.0, 0.0, 0
         for sample in samples:
             scored = teacher_forced_logprobs(model, sample.prompt_ids, sample.response_ids)
             for m, recorded, actual in zip(
                 sample.response_mask, sample.response_logprobs, scored, strict=True
             ):
                 if m:
-                    worst = max(worst, abs(recorded - actual))
-        return worst
+                    error = abs(recorded - actual)
+                    worst, total, tokens = max(worst, error), total + error, tokens + 1
+        return Gap(worst, total / tokens if tokens else 0.0, tokens)
     finally:
         model.train(was_training)
+
+
+def on_policy_gap(model: Any, samples: Sequence[Sample]) -> float:
+    """The largest |recorded − teacher-forced| logprob over the sampled (mask 1) tokens."""
+    return gap_of(model, samples).largest
 
 
 def relay_reward(
@@ -226,6 +255,10 @@ class RolloutBatch:
     push: WeightPush | None = None
     gap: float | None = None  # on_policy_gap under the trainer's model of this step
     gap_seconds: float = 0.0
+    gap_mean: float | None = None  # the mean |recorded − teacher-forced| over sampled tokens
+    # The same with the routers forced to the recorded experts (R3; None: no routing).
+    gap_r3: float | None = None
+    gap_r3_mean: float | None = None
 
     @property
     def rewards(self) -> list[float | None]:
@@ -282,6 +315,9 @@ class RelayRollout:
     keep_batches: int = 1
     # The last ``keep_batches`` batches, newest last.
     history: deque[RolloutBatch] = field(default_factory=deque)
+    # R3: installed on the trainer's model at the first batch when the agent loop asks
+    # for routing (see the module docstring).
+    replay: BatchReplay | None = None
 
     def __post_init__(self) -> None:
         if self.agent_loop.config.branch_policy is BranchPolicy.ALL:
@@ -403,14 +439,45 @@ class RelayRollout:
             seconds=time.monotonic() - started,
             push=push,
         )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.agent_loop.config.routed_experts:
+            self.replay_batch(model, samples)
         if self.measure_gap:
             gap_started = time.monotonic()
-            batch.gap = on_policy_gap(trainer.accelerator.unwrap_model(trainer.model), samples)
+            self.measure(model, batch)
             batch.gap_seconds = time.monotonic() - gap_started
         self.history.append(batch)
         if self.on_batch is not None:
             self.on_batch(batch)
         return rollout_output(samples)
+
+    def replay_batch(self, model: Any, samples: Sequence[Sample]) -> BatchReplay:
+        """Force ``model``'s routers, in every forward until the next batch, to the
+        recorded experts of ``samples`` (installing the replay at the first batch)."""
+        if self.replay is None:
+            self.replay = BatchReplay(model).install()
+        elif self.replay.model is not model:
+            raise RoutingReplayError("the trainer's model changed between batches")
+        self.replay.clear()
+        for sample in samples:
+            if sample.routed_experts is None:
+                raise RoutingReplayError(
+                    f"trial {sample.trial_id} has no routing: the proxy recorded none"
+                )
+            self.replay.add([*sample.prompt_ids, *sample.response_ids], sample.routed_experts)
+        return self.replay
+
+    def measure(self, model: Any, batch: RolloutBatch) -> None:
+        """The batch's on-policy gap with the model's own routing, and replayed (R3)."""
+        own: contextlib.AbstractContextManager[None] = (
+            self.replay.paused() if self.replay is not None else contextlib.nullcontext()
+        )
+        with own:
+            gap = gap_of(model, batch.samples)
+        batch.gap, batch.gap_mean = gap.largest, gap.mean
+        if self.replay is not None:
+            replayed = gap_of(model, batch.samples)
+            batch.gap_r3, batch.gap_r3_mean = replayed.largest, replayed.mean
 
 
 def refuse_trl_tools(trainer: Any) -> None:
