@@ -169,6 +169,7 @@ class WorkerClient:
                 backend=served.engine.card.backend,
                 tokenizer_files=collect_tokenizer_files(served.tokenizer_dir, served.chat_template),
                 image_token_id=served.engine.card.image_token_id,
+                routing=served.engine.card.routing,
             )
             for name, served in self.models.items()
         ]
@@ -312,7 +313,9 @@ class WorkerClient:
             # One admission limit per engine, whichever proxy the request came from.
             async with self.admission[message.model]:
                 started = True
-                await self._generate(outbox, served, rid, prompt, sampling, images)
+                await self._generate(
+                    outbox, served, rid, prompt, sampling, images, message.routed_experts_from
+                )
                 finished = True
         except asyncio.CancelledError:
             outbox.discard(rid)
@@ -333,11 +336,15 @@ class WorkerClient:
         prompt: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> None:
-        """Stream one request's tokens; returns once its Done is queued."""
+        """Stream one request's tokens; returns once its Done is queued (with the routing
+        rows the engine gave, when they were asked for)."""
         # aclosing: however this ends, the engine's generator is finalized now (an engine
         # may hold a lock across its yields), not whenever it is collected.
-        stream = served.engine.generate(rid, prompt, sampling, images)
+        stream = served.engine.generate(
+            rid, prompt, sampling, images, routed_experts_from=routed_experts_from
+        )
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 if chunk.finish_reason is None:
@@ -350,6 +357,7 @@ class WorkerClient:
                         protocol.pack_ids(chunk.token_ids),
                         protocol.pack_logprobs(chunk.logprobs),
                         dict(chunk.extra),
+                        chunk.routed_experts if routed_experts_from is not None else None,
                     )
                 )
                 return

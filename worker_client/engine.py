@@ -12,6 +12,14 @@ Logprob semantics (``LogprobsMode``):
   distribution the token was actually drawn from.
 
 At temperature 1.0 with top-p 1.0 and top-k off, both are identical.
+
+Routing (a mixture-of-experts model whose card has a ``routing`` shape): ``generate`` with
+``routed_experts_from=k`` ends with a chunk whose ``routed_experts`` are the experts every
+MoE layer chose for positions ``k`` up to the last one run forward, of ``prompt_ids +
+generated ids`` (all but the last generated token), or from an earlier start, never a
+later one (``relay.protocol``'s "Routing rows"). An aborted request's last chunk carries
+the rows it has. Without ``routed_experts_from`` nothing is captured. A card without
+``routing`` refuses the question (``refuse_routing``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from array import array
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from relay.protocol import RoutedExperts, RoutingShape
 
 
 class FinishReason(enum.StrEnum):
@@ -61,18 +71,23 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     # Backend-specific facts worth recording per turn (e.g. the policy version).
     extra: dict[str, str | int | float] = field(default_factory=dict)
+    # The last chunk of a request asked for routing: its rows (see the module docstring).
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class ModelCard:
     """What a worker announces about a model it serves. ``image_token_id``: a
-    vision-language model's image placeholder (None: it takes no images)."""
+    vision-language model's image placeholder (None: it takes no images). ``routing``: a
+    mixture-of-experts model's routing shape, when its engine reports routing (None: a
+    dense model, or an engine that cannot)."""
 
     name: str
     max_model_len: int
     logprobs_mode: LogprobsMode
     backend: str
     image_token_id: int | None = None
+    routing: RoutingShape | None = None
 
     @property
     def vision(self) -> bool:
@@ -105,10 +120,13 @@ class Engine(Protocol):
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Stream the sampled tokens of one request (its ``images`` where their spans say,
         for a model whose card names an image token). Must end with a chunk that has a
-        ``finish_reason``. Raises ``EngineError`` subclasses on failure."""
+        ``finish_reason``, and with ``routed_experts_from`` the routing rows from there
+        (for a model whose card has a routing shape). Raises ``EngineError`` subclasses
+        on failure."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -132,6 +150,24 @@ def refuse_images(card: ModelCard, images: Sequence[ImageSpan]) -> None:
         from worker_client.exceptions import EngineError
 
         raise EngineError(f"model {card.name} ({card.backend} backend) does not take images")
+
+
+def refuse_routing(card: ModelCard, routed_experts_from: int | None) -> RoutingShape | None:
+    """The card's routing shape when a request asks for routing (None when it does not);
+    a request that asks it of a model whose card has none fails (the proxy asks only of a
+    model announced with a routing shape), and so does a negative start."""
+    if routed_experts_from is None:
+        return None
+    from worker_client.exceptions import EngineError
+
+    if card.routing is None:
+        raise EngineError(
+            f"model {card.name} ({card.backend} backend) reports no routing: a dense model, "
+            "or an engine started without returning routed experts"
+        )
+    if routed_experts_from < 0:
+        raise EngineError(f"routed experts asked from position {routed_experts_from}")
+    return card.routing
 
 
 def check_prompt(card: ModelCard, prompt_ids: Sequence[int]) -> int:

@@ -45,6 +45,7 @@ from worker_client.engine import (
     ModelCard,
     SamplingParams,
     TokenChunk,
+    refuse_routing,
 )
 from worker_client.exceptions import WeightsBusyError, WeightsError
 
@@ -129,19 +130,26 @@ class VersionedEngine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
+        # Refused before it waits: a model without routing cannot answer it on any weights.
+        refuse_routing(self.card, routed_experts_from)
         async with self._changed:
             await self._changed.wait_for(lambda: self.state is PolicyState.SERVING)
             self._running.add(request_id)
             version = self.version
         # aclosing: when this stream is closed, the engine's is closed now too (an engine may
         # hold a lock or a slot across its yields), not later by the garbage collector.
-        # Only a request with images passes them: an engine of text alone need not know them.
-        stream = (
-            self.engine.generate(request_id, prompt_ids, sampling, images)
-            if images
-            else self.engine.generate(request_id, prompt_ids, sampling)
-        )
+        # Only a request with images passes them, and only one asking for routing asks it:
+        # an engine of text alone need not know either.
+        if routed_experts_from is not None:
+            stream = self.engine.generate(
+                request_id, prompt_ids, sampling, images, routed_experts_from=routed_experts_from
+            )
+        elif images:
+            stream = self.engine.generate(request_id, prompt_ids, sampling, images)
+        else:
+            stream = self.engine.generate(request_id, prompt_ids, sampling)
         try:
             async with contextlib.aclosing(stream):
                 async for chunk in stream:

@@ -53,7 +53,7 @@ def test_its_routers_are_found_in_layer_order(tiny_moe: Any, tiny_model_dir: Pat
     shape = routing_shape(tiny_moe)
     assert shape is not None
     assert (shape.layers, shape.top_k, shape.experts) == (LAYERS, TOP_K, EXPERTS)
-    assert shape.dtype == np.uint8
+    assert shape.dtype == "uint8"
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert find_routers(dense) == []
     assert routing_shape(dense) is None

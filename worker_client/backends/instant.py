@@ -43,6 +43,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     refuse_images,
+    refuse_routing,
 )
 from worker_client.exceptions import EngineUnavailableError
 
@@ -138,7 +139,9 @@ class InstantEngine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_routing(self._card, routed_experts_from)
         if not self._card.vision:  # a vision card takes them, and runs no model on them
             refuse_images(self._card, images)
         room = check_prompt(self._card, prompt_ids)

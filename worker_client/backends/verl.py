@@ -32,6 +32,7 @@ from worker_client.engine import (
     check_prompt,
     id_list,
     refuse_images,
+    refuse_routing,
 )
 from worker_client.exceptions import EngineError
 from worker_client.policy import POLICY_VERSION
@@ -115,7 +116,9 @@ class VerlEngine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
+        refuse_routing(self._card, routed_experts_from)
         refuse_images(self._card, images)
         check_prompt(self._card, prompt_ids)
         try:
