@@ -23,11 +23,19 @@ directory. Design points:
   trainer wrote (``save_pretrained``) and checks that every parameter has the served
   model's name and shape; ``commit_weights`` copies it into the served model's parameters
   and drops the cached KV (computed with the old weights). Nothing restarts.
+* Routing (a mixture-of-experts model: its card has the routers' ``RoutingShape``): a
+  request asking ``routed_experts_from=k`` runs with forward hooks on every router
+  (``worker_client.routing.RoutingCapture``), in prefill and every decode step, and its last
+  chunk carries the rows of positions ``k`` to the last one run forward. A request that
+  does not ask runs no hook. A cached KV prefix keeps the rows of its positions beside it
+  (those positions are not run again); a prefix whose rows from ``k`` on are not kept is
+  reused only up to ``k``, so the rows asked for are always there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 from collections import OrderedDict
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.protocol import RoutedExperts
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -46,8 +55,10 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_routing,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
+from worker_client.routing import RoutingCapture, engine_rows, find_routers
 
 _GREEDY_BELOW = 1e-5
 # Decoded images' pixel values kept by sha256: every turn's history repeats the screenshots.
@@ -63,6 +74,28 @@ class _CacheEntry:
     last_logits: Any  # logits after the last token of ``ids``
     images: tuple[ImageKey, ...] = ()  # the images inside ``ids``
     delta: int = 0  # M-RoPE: a token after the prompt at index i has position i + delta
+    # Routing rows of positions [routing_from, routing_from + len(routing)) of ``ids``
+    # (None: none kept; a request that asked for none captured none).
+    routing: Any = None
+    routing_from: int = 0
+
+    @property
+    def routing_end(self) -> int:
+        return self.routing_from + (0 if self.routing is None else len(self.routing))
+
+    def crop_routing(self, end: int) -> None:
+        """Forget the rows of positions from ``end`` on (the KV of those was dropped)."""
+        if self.routing is not None and self.routing_end > end:
+            self.routing = self.routing[: max(end - self.routing_from, 0)]
+
+    def add_routing(self, rows: Any, start: int) -> None:
+        """Keep the rows captured from ``start`` on, after the kept ones if they join."""
+        import numpy as np
+
+        if self.routing is not None and len(self.routing) and self.routing_end == start:
+            self.routing = np.concatenate([self.routing, rows])
+        else:
+            self.routing, self.routing_from = rows, start
 
 
 @dataclass(slots=True)
@@ -111,7 +144,10 @@ class HFEngine:
         image_token = None
         if image_processor is not None:
             image_token = int(model.config.image_token_id)
-        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", image_token)
+        # A mixture-of-experts model's routers: its routing is captured where asked.
+        self._routers = find_routers(model)
+        routing = RoutingCapture(model, self._routers).shape if self._routers else None
+        self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", image_token, routing)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
         self.cache_entries = cache_entries
@@ -296,10 +332,16 @@ class HFEngine:
             self._pixels.popitem(last=False)
         return result
 
-    def _take_cache(self, prompt: Sequence[int], images: tuple[ImageKey, ...]) -> _CacheEntry:
+    def _take_cache(
+        self,
+        prompt: Sequence[int],
+        images: tuple[ImageKey, ...],
+        routing_from: int | None = None,
+    ) -> _CacheEntry:
         """The cached entry sharing the longest prefix with ``prompt`` (its images the
         same, none cut), cropped to it (at least one prompt token is always left to run),
-        or a fresh cache."""
+        or a fresh cache. With ``routing_from``: reused past that position only as far as
+        the entry keeps those positions' routing rows (they are not run again)."""
         from transformers import DynamicCache
 
         best_key, best_len = None, 0
@@ -307,24 +349,40 @@ class HFEngine:
             n = _shared_prefix(entry.ids, entry.images, prompt, images)
             if n > best_len:
                 best_key, best_len = key, n
-        best_len = _uncut(min(best_len, len(prompt) - 1), images)
+        best_len = min(best_len, len(prompt) - 1)
+        if best_key is not None and routing_from is not None and routing_from < best_len:
+            kept = self._caches[best_key]
+            if kept.routing_from <= routing_from < kept.routing_end:
+                best_len = min(best_len, kept.routing_end)
+            else:
+                best_len = routing_from
+        best_len = _uncut(best_len, images)
         if best_key is None or best_len <= 0:
             return _CacheEntry([], DynamicCache(config=self.model.config), None)
         entry = self._caches.pop(best_key)
         if best_len < len(entry.ids):
             entry.cache.crop(best_len - len(entry.ids))  # negative: tokens to drop
             entry.ids = entry.ids[:best_len]
+        entry.crop_routing(best_len)
         return entry
 
-    def _prefill(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> _CacheEntry:
+    def _prefill(
+        self,
+        prompt: Sequence[int],
+        images: Sequence[ImageSpan] = (),
+        routing_from: int | None = None,
+    ) -> tuple[_CacheEntry, int]:
+        """The prompt run forward on the longest cached prefix it can reuse; returns its
+        entry and the first position run this time."""
         vision = self._vision(prompt, images) if self.image_processor is not None else None
         keys = vision.keys if vision is not None else ()
-        entry = self._take_cache(prompt, keys)
-        entry.last_logits = self._forward(prompt, entry.cache, len(entry.ids), vision)
+        entry = self._take_cache(prompt, keys, routing_from)
+        reused = len(entry.ids)
+        entry.last_logits = self._forward(prompt, entry.cache, reused, vision)
         entry.ids = list(prompt)
         entry.images = keys
         entry.delta = vision.delta if vision is not None else 0
-        return entry
+        return entry, reused
 
     def _keep(self, entry: _CacheEntry) -> None:
         self._cache_ids += 1
@@ -385,55 +443,92 @@ class HFEngine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Stream one request's tokens; ``images`` sit in ``prompt_ids`` where they say."""
+        """Stream one request's tokens; ``images`` sit in ``prompt_ids`` where they say.
+        With ``routed_experts_from``, the last chunk carries the routing rows from there."""
         import torch
 
         room = check_prompt(self._card, prompt_ids)
         if images and self.image_processor is None:
             raise EngineError(f"{self._card.name} does not take images")
+        routing = refuse_routing(self._card, routed_experts_from)
         limit = min(sampling.max_tokens, room)
         loop = asyncio.get_running_loop()
+        prompt = id_list(prompt_ids)
         self._running.add(request_id)
         try:
             async with self._lock:
                 if request_id in self._aborted:
                     yield TokenChunk([], [], FinishReason.ABORT)
                     return
-                entry = await loop.run_in_executor(
-                    self._executor, self._prefill, id_list(prompt_ids), images
-                )
-                generator = torch.Generator(device=self.device)
-                if sampling.seed is not None:
-                    generator.manual_seed(sampling.seed)
-                else:
-                    generator.seed()
-                keep = True
-                try:
-                    for produced in range(1, limit + 1):
-                        if request_id in self._aborted:
-                            yield TokenChunk([], [], FinishReason.ABORT)
-                            return
-                        last = produced == limit
-                        token, logprob, stop = await loop.run_in_executor(
-                            self._executor, self._step, entry, sampling, generator, last
-                        )
-                        if stop:
-                            yield TokenChunk([token], [logprob], FinishReason.STOP)
-                            return
-                        if last:
-                            yield TokenChunk([token], [logprob], FinishReason.LENGTH)
-                            return
-                        yield TokenChunk([token], [logprob])
-                except Exception:
-                    keep = False  # a forward that failed half-way leaves the cache unusable
-                    raise
-                finally:
-                    if keep:
-                        self._keep(entry)
+                # Hooks on the routers only while a request that asked for routing runs.
+                capture = None if routing is None else RoutingCapture(self.model, self._routers)
+                with capture if capture is not None else contextlib.nullcontext():
+                    entry, ran_from = await loop.run_in_executor(
+                        self._executor, self._prefill, prompt, images, routed_experts_from
+                    )
+                    generator = torch.Generator(device=self.device)
+                    if sampling.seed is not None:
+                        generator.manual_seed(sampling.seed)
+                    else:
+                        generator.seed()
+                    keep = True
+                    produced = 0
+
+                    def last(
+                        tokens: list[int], logprobs: list[float], reason: FinishReason
+                    ) -> TokenChunk:
+                        """The request's last chunk, with its routing rows where asked."""
+                        chunk = TokenChunk(tokens, logprobs, reason)
+                        if capture is not None and routed_experts_from is not None:
+                            end = len(prompt) + produced - 1  # the last token is not run
+                            chunk.routed_experts = self._routed(
+                                entry, capture, ran_from, routed_experts_from, end
+                            )
+                        return chunk
+
+                    try:
+                        for produced in range(1, limit + 1):
+                            if request_id in self._aborted:
+                                produced -= 1  # this one was never sampled
+                                yield last([], [], FinishReason.ABORT)
+                                return
+                            ends = produced == limit
+                            token, logprob, stop = await loop.run_in_executor(
+                                self._executor, self._step, entry, sampling, generator, ends
+                            )
+                            if stop:
+                                yield last([token], [logprob], FinishReason.STOP)
+                                return
+                            if ends:
+                                yield last([token], [logprob], FinishReason.LENGTH)
+                                return
+                            yield TokenChunk([token], [logprob])
+                    except Exception:
+                        keep = False  # a forward that failed half-way leaves the cache unusable
+                        raise
+                    finally:
+                        if keep:
+                            if capture is not None and entry.routing_end < len(entry.ids):
+                                # Closed before its last chunk: the rows still join the cache.
+                                entry.add_routing(capture.rows(), ran_from)
+                            self._keep(entry)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
+
+    def _routed(
+        self, entry: _CacheEntry, capture: RoutingCapture, ran_from: int, start: int, end: int
+    ) -> RoutedExperts:
+        """The rows of positions ``[start, end)``: those the cached prefix kept, then those
+        captured from ``ran_from`` on; all of them stay with the cache entry."""
+        entry.add_routing(capture.rows(), ran_from)
+        capture.clear()
+        kept = entry.routing[: max(end - entry.routing_from, 0)]
+        return engine_rows(
+            kept, capture.shape, end=entry.routing_from + len(kept), start_from=start
+        )
 
     async def abort(self, request_id: str) -> None:
         # Only requests that are queued or running: remembering any other id would abort
