@@ -31,6 +31,16 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   reports the prompt ids it ran (``RequestOutput.prompt_token_ids``, after its expansion):
   the first output is checked against the ids the proxy sent before any token goes out, and
   a difference fails the request (``placeholders.check_expansion``).
+* Routing (``load(routed_experts=True)``, the worker's ``--routed-experts``): vLLM starts
+  with ``enable_return_routed_experts`` and the card announces the routing shape of the HF
+  config (its mixture-of-experts layers, ``num_experts_per_tok``, its experts;
+  ``routing.shape_from_config``). A request asking rows from ``k`` sends
+  ``routed_experts_prompt_start`` (``min(k, len(prompt))``, where vLLM has it); the finished
+  output's ``CompletionOutput.routed_experts`` (``[rows, decoder layers, top_k]``, ending at
+  the last position run forward: vLLM gives every decoder layer, a dense one's columns
+  meaning nothing) is cut to the MoE layers, from ``k``, in the shape's dtype. A vLLM that
+  returns rows from a later position than asked, or none for a request that ran, fails
+  the request.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
+from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, decode_image
 from worker_client.engine import (
     FinishReason,
@@ -52,9 +63,11 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_routing,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 from worker_client.policy import StagedPath
+from worker_client.routing import engine_rows, moe_layers, shape_from_config
 
 BACKEND = "vllm"
 
@@ -85,15 +98,24 @@ def import_vllm() -> Any:
     return vllm
 
 
-def to_vllm_sampling(sampling: SamplingParams, vllm: Any | None = None) -> Any:
+def to_vllm_sampling(
+    sampling: SamplingParams, vllm: Any | None = None, routed_experts_start: int | None = None
+) -> Any:
     """Translate our ``SamplingParams`` into a ``vllm.SamplingParams``.
 
-    ``vllm`` is the ``vllm`` package (imported when not given). Raises ``EngineError``
-    when vLLM rejects a value (e.g. a temperature above 2).
+    ``vllm`` is the ``vllm`` package (imported when not given). ``routed_experts_start``:
+    the prompt position routing rows are wanted from (``routed_experts_prompt_start``, sent
+    where this vLLM has it; an older one returns every row). Raises ``EngineError`` when
+    vLLM rejects a value (e.g. a temperature above 2).
     """
     if vllm is None:
         vllm = import_vllm()
     output_kind = importlib.import_module(f"{vllm.__name__}.sampling_params").RequestOutputKind
+    extra: dict[str, Any] = {}
+    if routed_experts_start and "routed_experts_prompt_start" in getattr(
+        vllm.SamplingParams, "__struct_fields__", ()
+    ):
+        extra["routed_experts_prompt_start"] = routed_experts_start
     try:
         return vllm.SamplingParams(
             n=1,
@@ -107,6 +129,7 @@ def to_vllm_sampling(sampling: SamplingParams, vllm: Any | None = None) -> Any:
             logprobs=0,
             detokenize=False,
             output_kind=output_kind.DELTA,
+            **extra,
         )
     except Exception as exc:
         raise EngineError(f"vLLM rejected the sampling settings {sampling}: {exc}") from exc
@@ -152,6 +175,52 @@ def _finish_reason(reason: str | None, output: Any) -> FinishReason | None:
         ) from None
 
 
+def served_routing(model_config: Any) -> tuple[RoutingShape, list[int] | None]:
+    """The routing shape of the model vLLM serves, from its HF config, and the decoder
+    layers its rows come from (None: every layer of vLLM's rows is one). Raises
+    ``EngineUnavailableError`` for a dense model."""
+    config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    shape = shape_from_config(config)
+    if shape is not None:
+        return shape, moe_layers(config)
+    # A config ``shape_from_config`` does not know: vLLM's own counts, every layer.
+    try:
+        experts = int(model_config.get_num_experts())
+        top_k = int(model_config.get_num_experts_per_tok())
+        layers = int(model_config.get_total_num_hidden_layers())
+    except Exception:
+        experts = top_k = layers = 0
+    if experts <= 0 or top_k <= 0 or layers <= 0:
+        raise EngineUnavailableError(
+            "routed experts need a mixture-of-experts model; this one is dense"
+        )
+    return RoutingShape(layers, top_k, experts), None
+
+
+def routed_rows(
+    completion: Any,
+    shape: RoutingShape,
+    layers: list[int] | None,
+    *,
+    end: int,
+    start_from: int,
+) -> RoutedExperts | None:
+    """A finished ``CompletionOutput``'s routing as the request asked for it (None when
+    vLLM ran nothing forward for it: an abort before its first step)."""
+    import numpy as np
+
+    rows = getattr(completion, "routed_experts", None)
+    if rows is None:
+        if completion.finish_reason == "abort":
+            return None
+        raise EngineError(
+            "vLLM returned no routed experts: was it started with enable_return_routed_experts?"
+        )
+    return engine_rows(
+        np.asarray(rows), shape, end=end, start_from=start_from, layers=layers, engine="vLLM"
+    )
+
+
 def served_image_token(model_config: Any) -> int | None:
     """The image placeholder of a vision-language model vLLM serves with images allowed:
     the HF config's ``image_token_id``; None for a text model, a multimodal one started
@@ -179,9 +248,12 @@ def image_prompt(expanded: list[int], images: Sequence[ImageSpan], image_token_i
 class VLLMEngine(StagedPath):
     """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
 
-    def __init__(self, llm: Any, card: ModelCard) -> None:
+    def __init__(self, llm: Any, card: ModelCard, routing_layers: list[int] | None = None) -> None:
+        """``routing_layers``: the decoder layers of vLLM's routing rows that are the
+        card's routing layers (None: all of them)."""
         self._llm = llm
         self._card = card
+        self._routing_layers = routing_layers
 
     @classmethod
     def load(
@@ -190,10 +262,12 @@ class VLLMEngine(StagedPath):
         *,
         name: str | None = None,
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
+        routed_experts: bool = False,
         **engine_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on ``model`` (a local path or a hub id). ``engine_kwargs`` go to
         ``AsyncEngineArgs`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
+        ``routed_experts``: return each token's experts (a mixture-of-experts model).
 
         Raises ``EngineUnavailableError`` when vLLM is missing, finds no GPU, or fails to
         start the engine.
@@ -201,6 +275,8 @@ class VLLMEngine(StagedPath):
         mode = LogprobsMode(logprobs_mode)
         if "logprobs_mode" in engine_kwargs:
             raise TypeError("pass logprobs_mode as a LogprobsMode, not as an engine argument")
+        if routed_experts:
+            engine_kwargs["enable_return_routed_experts"] = True
         import_vllm()
         try:
             from vllm.platforms import current_platform
@@ -226,14 +302,22 @@ class VLLMEngine(StagedPath):
             raise EngineUnavailableError(
                 f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}"
             ) from exc
+        routing, layers = None, None
+        if routed_experts:
+            try:
+                routing, layers = served_routing(llm.model_config)
+            except EngineUnavailableError:
+                llm.shutdown()
+                raise
         card = ModelCard(
             name=name or model,
             max_model_len=int(llm.model_config.max_model_len),
             logprobs_mode=mode,
             backend=BACKEND,
             image_token_id=served_image_token(llm.model_config),
+            routing=routing,
         )
-        return cls(llm, card)
+        return cls(llm, card, layers)
 
     @property
     def card(self) -> ModelCard:
@@ -245,15 +329,19 @@ class VLLMEngine(StagedPath):
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         image_token = self._card.image_token_id
         if images and image_token is None:
             raise EngineError(f"model {self._card.name} (vllm backend) does not take images")
         check_prompt(self._card, prompt_ids)
+        routing = refuse_routing(self._card, routed_experts_from)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        params = to_vllm_sampling(sampling, vllm)
+        start = None if routed_experts_from is None else min(routed_experts_from, len(prompt_ids))
+        params = to_vllm_sampling(sampling, vllm, start)
+        generated = 0
         expanded: list[int] | None = None
         if images and image_token is not None:
             expanded = id_list(prompt_ids)
@@ -275,8 +363,18 @@ class VLLMEngine(StagedPath):
                     check_expansion("vLLM", expanded, output.prompt_token_ids)
                     expanded = None
                 chunk = chunk_from_output(output)
+                generated += len(chunk.token_ids)
                 if chunk.finish_reason is None and not chunk.token_ids:
                     continue
+                if chunk.finish_reason is not None and routing is not None:
+                    assert routed_experts_from is not None
+                    chunk.routed_experts = routed_rows(
+                        output.outputs[0],
+                        routing,
+                        self._routing_layers,
+                        end=len(prompt_ids) + generated - 1,
+                        start_from=routed_experts_from,
+                    )
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
