@@ -44,18 +44,44 @@ order, ``sampling_params`` as above (``max_new_tokens``, ``sampling_seed``, top-
 ``prompt_token_ids`` (SGLang's ids after its expansion) must be the expanded ids the proxy
 sent, or the request fails before any token goes out. Text requests keep
 ``/v1/completions``.
+
+Routing (a mixture-of-experts model, ``routing_api``: the worker's ``--routed-experts``,
+its server started with ``--enable-return-routed-experts``): the card announces the routing
+shape of the model's ``config.json`` (``routing.shape_from_config``), and a request that
+asks for rows from ``k`` goes to
+
+* ``sglang``: SGLang's native ``/generate`` (as a request with images does, ``input_ids``
+  as they are), with ``return_routed_experts: true`` and ``routed_experts_start_len:
+  min(k, len(prompt))``. The event that finishes the request carries
+  ``meta_info.routed_experts``: base64 of C-order int32 ``[rows, layers, top_k]`` for
+  positions ``[start_len, prompt + output - 1)``; an SGLang that ignores the start gives
+  them from 0.
+* ``vllm``: ``/v1/completions`` with ``routed_experts_prompt_start``, not streamed (vLLM
+  sends ``choices[0].routed_experts``, base64 of an ``.npy`` array, only in a whole
+  response): the request's tokens come as one chunk when it ends, and an abort drops the
+  connection (vLLM cancels on it) and with it the rows.
+
+Either engine gives a row per decoder layer (a dense layer's columns mean nothing) or per
+MoE layer; the MoE layers are kept, from ``k``, in the shape's dtype. Requests that ask for
+no routing go as before and cost nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import contextlib
+import io
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, data_url
 from worker_client.engine import (
     FinishReason,
@@ -66,6 +92,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    refuse_routing,
 )
 from worker_client.exceptions import (
     EngineError,
@@ -74,10 +101,12 @@ from worker_client.exceptions import (
     WeightsError,
 )
 from worker_client.policy import StagedPath
+from worker_client.routing import engine_rows, moe_layers, shape_from_config
 
 BACKEND = "openai"
 WEIGHTS_APIS = ("sglang", "vllm")
 IMAGES_APIS = ("sglang",)
+ROUTING_APIS = ("sglang", "vllm")
 
 _FINISH: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
@@ -137,11 +166,13 @@ def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
 def sglang_generate_request(
     prompt_ids: Sequence[int],
     images: Sequence[ImageSpan],
-    image_token_id: int,
+    image_token_id: int | None,
     sampling: SamplingParams,
+    routed_experts_start: int | None = None,
 ) -> dict[str, Any]:
     """SGLang's native ``/generate`` body for a prompt with images (``prompt_ids`` expanded
-    as the proxy sends them; the body holds one placeholder per image)."""
+    as the proxy sends them; the body holds one placeholder per image), or without any.
+    ``routed_experts_start``: return the routing rows from that prompt position on."""
     ordered = sorted(images, key=lambda span: span.start)
     params: dict[str, Any] = {
         "max_new_tokens": sampling.max_tokens,
@@ -155,9 +186,13 @@ def sglang_generate_request(
         params["sampling_seed"] = sampling.seed
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
-    return {
-        "input_ids": collapse_images(prompt_ids, ordered, image_token_id),
-        "image_data": [data_url(span) for span in ordered],
+    body: dict[str, Any] = {"input_ids": id_list(prompt_ids)}
+    if ordered:
+        if image_token_id is None:
+            raise EngineError("a prompt with images needs the model's image token")
+        body["input_ids"] = collapse_images(prompt_ids, ordered, image_token_id)
+        body["image_data"] = [data_url(span) for span in ordered]
+    body |= {
         "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
@@ -165,15 +200,96 @@ def sglang_generate_request(
         "return_prompt_token_ids": True,
         "stream": True,
     }
+    if routed_experts_start is not None:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = routed_experts_start
+    return body
+
+
+@dataclass(slots=True, frozen=True)
+class RoutingAsk:
+    """What a request asked of an engine's routing rows, and how to read them: the model's
+    shape, the decoder layers that are its MoE layers (``layers``) of ``total`` decoder
+    layers, the prompt position the server was asked from (``sent``) and the one the
+    request wants (``start_from``)."""
+
+    shape: RoutingShape
+    layers: list[int] | None
+    total: int
+    prompt_len: int
+    sent: int
+    start_from: int
+
+    def sglang(self, encoded: Any, generated: int) -> RoutedExperts:
+        """SGLang's ``meta_info.routed_experts``: base64 of C-order int32 rows of
+        positions ``[start, prompt + generated - 1)``, ``start`` the one asked (or 0, from
+        an SGLang that ignores it), one column per decoder layer or per MoE layer."""
+        import numpy as np
+
+        if not isinstance(encoded, str):
+            raise EngineError("SGLang returned no routed experts (--enable-return-routed-experts?)")
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise EngineError(f"SGLang's routed experts are not base64: {exc}") from None
+        if len(raw) % 4:
+            raise EngineError("SGLang's routed experts are not int32")
+        flat = np.frombuffer(raw, dtype="<i4")
+        end = self.prompt_len + generated - 1
+        top_k = self.shape.top_k
+        for start in dict.fromkeys((self.sent, 0)):
+            n = end - start
+            if n <= 0:
+                if flat.size == 0:
+                    return RoutedExperts(self.start_from, 0, b"")
+                continue
+            if flat.size % (n * top_k) == 0 and flat.size // (n * top_k) in {
+                self.shape.layers,
+                self.total,
+            }:
+                rows = flat.reshape(n, -1, top_k)
+                return engine_rows(
+                    rows,
+                    self.shape,
+                    end=end,
+                    start_from=self.start_from,
+                    layers=self.layers,
+                    engine="SGLang",
+                )
+        raise EngineError(
+            f"SGLang returned {flat.size} routed expert ids, not [rows, layers, {top_k}] for "
+            f"positions {self.sent} (or 0) to {end}"
+        )
+
+    def vllm(self, encoded: Any, generated: int) -> RoutedExperts:
+        """vLLM's ``choices[0].routed_experts``: base64 of an ``.npy`` array ``[rows,
+        layers, top_k]`` ending at the last position run forward."""
+        import numpy as np
+
+        if not isinstance(encoded, str):
+            raise EngineError("vLLM returned no routed experts (--enable-return-routed-experts?)")
+        try:
+            rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+        except (binascii.Error, ValueError, OSError) as exc:
+            raise EngineError(f"vLLM's routed experts are not a base64 .npy array: {exc}") from None
+        return engine_rows(
+            rows,
+            self.shape,
+            end=self.prompt_len + generated - 1,
+            start_from=self.start_from,
+            layers=self.layers,
+            engine="vLLM",
+        )
 
 
 class SGLangStream:
     """Turns the events of one streamed SGLang ``/generate`` into ``TokenChunk``s, checking
     the first event's prompt ids against the proxy's expanded ``prompt_ids``."""
 
-    def __init__(self, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, prompt_ids: Sequence[int], routing: RoutingAsk | None = None) -> None:
         self._expected: list[int] | None = id_list(prompt_ids)
         self._sent = 0
+        self._routing = routing
 
     def chunk(self, event: dict[str, Any]) -> TokenChunk:
         error = event.get("error")
@@ -204,11 +320,14 @@ class SGLangStream:
         if any(int(entry[1]) != int(token) for entry, token in zip(scored, fresh, strict=True)):
             raise EngineError("SGLang's logprobs are not those of its output ids")
         self._sent = total
-        return TokenChunk(
+        chunk = TokenChunk(
             [int(t) for t in fresh],
             [float(entry[0]) for entry in scored],
             _sglang_finish(meta.get("finish_reason")),
         )
+        if chunk.finish_reason is not None and self._routing is not None:
+            chunk.routed_experts = self._routing.sglang(meta.get("routed_experts"), total)
+        return chunk
 
 
 def _sglang_finish(reason: Any) -> FinishReason | None:
@@ -232,7 +351,22 @@ class OpenAIEngine(StagedPath):
         timeout_seconds: float = 600.0,
         weights_api: str | None = None,
         images_api: str | None = None,
+        routing_api: str | None = None,
+        routing_layers: list[int] | None = None,
+        decoder_layers: int = 0,
     ) -> None:
+        """``routing_api``: the server that returns routing rows (its card has the
+        routing shape); ``routing_layers`` of its ``decoder_layers`` decoder layers are the
+        mixture-of-experts ones (``OpenAIEngine.load`` reads both from ``config.json``)."""
+        if routing_api is not None and routing_api not in ROUTING_APIS:
+            raise EngineUnavailableError(
+                f"routing_api must be one of {', '.join(ROUTING_APIS)}, not {routing_api!r}"
+            )
+        if routing_api is not None and card.routing is None:
+            raise EngineUnavailableError(
+                f"routing_api={routing_api!r} needs a mixture-of-experts model: {card.name}'s "
+                "card has no routing shape"
+            )
         if weights_api is not None and weights_api not in WEIGHTS_APIS:
             raise EngineUnavailableError(
                 f"weights_api must be one of {', '.join(WEIGHTS_APIS)}, not {weights_api!r}"
@@ -248,6 +382,9 @@ class OpenAIEngine(StagedPath):
             )
         self.weights_api = weights_api
         self.images_api = images_api
+        self.routing_api = routing_api
+        self._routing_layers = routing_layers
+        self._decoder_layers = decoder_layers
         self.base_url = base_url.rstrip("/")
         self._card = card
         self.upstream_model = upstream_model
@@ -272,10 +409,13 @@ class OpenAIEngine(StagedPath):
         logprobs_mode: LogprobsMode = LogprobsMode.RAW,
         weights_api: str | None = None,
         images_api: str | None = None,
+        routing_api: str | None = None,
     ) -> OpenAIEngine:
         """``model_dir`` holds the model's tokenizer and config (the proxy renders with
         them); ``base_url`` is the upstream's ``.../v1``. ``images_api="sglang"``: a
-        vision-language model whose images go to the SGLang server's ``/generate``."""
+        vision-language model whose images go to the SGLang server's ``/generate``.
+        ``routing_api`` (``sglang`` or ``vllm``): a mixture-of-experts model whose server
+        returns each token's experts."""
         if images_api is not None and images_api not in IMAGES_APIS:
             raise EngineUnavailableError(
                 f"images_api must be one of {', '.join(IMAGES_APIS)}, not {images_api!r}"
@@ -283,7 +423,10 @@ class OpenAIEngine(StagedPath):
         path = Path(model_dir)
         window = max_model_len
         image_token = None
-        if window is None or images_api is not None:
+        routing: RoutingShape | None = None
+        layers: list[int] | None = None
+        decoder_layers = 0
+        if window is None or images_api is not None or routing_api is not None:
             try:
                 config = json.loads((path / "config.json").read_text())
             except (OSError, ValueError) as exc:
@@ -297,10 +440,20 @@ class OpenAIEngine(StagedPath):
                         f"images_api={images_api!r}: {path}/config.json names no image_token_id "
                         "(not a vision-language model?)"
                     )
+            if routing_api is not None:
+                routing = shape_from_config(config)
+                if routing is None:
+                    raise EngineUnavailableError(
+                        f"routing_api={routing_api!r}: {path}/config.json is not a "
+                        "mixture-of-experts model this worker knows"
+                    )
+                layers = moe_layers(config)
+                text = config.get("text_config") if "num_hidden_layers" not in config else None
+                decoder_layers = int((text or config).get("num_hidden_layers", 0))
         if window is None:
             raise EngineUnavailableError("give max_model_len: config.json declares no window")
         card = ModelCard(
-            name or path.name, window, LogprobsMode(logprobs_mode), BACKEND, image_token
+            name or path.name, window, LogprobsMode(logprobs_mode), BACKEND, image_token, routing
         )
         return cls(
             base_url,
@@ -309,6 +462,9 @@ class OpenAIEngine(StagedPath):
             api_key=api_key,
             weights_api=weights_api,
             images_api=images_api,
+            routing_api=routing_api,
+            routing_layers=layers,
+            decoder_layers=decoder_layers,
         )
 
     @property
@@ -326,20 +482,25 @@ class OpenAIEngine(StagedPath):
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        if images:
-            stream = self._generate_with_images(request_id, prompt_ids, sampling, images)
+        routing = self._routing_ask(prompt_ids, routed_experts_from)
+        if images or (routing is not None and self.routing_api == "sglang"):
+            stream = self._generate_native(request_id, prompt_ids, sampling, images, routing)
             try:
-                async for image_chunk in stream:
-                    yield image_chunk
+                async for native_chunk in stream:
+                    yield native_chunk
             finally:
                 await stream.aclose()
             return
         check_prompt(self._card, prompt_ids)
         body = completion_request(self.upstream_model, prompt_ids, sampling)
-        stream = self._stream(
-            request_id, f"{self.base_url}/completions", body, chunk_from_event, "upstream"
-        )
+        if routing is not None:  # vLLM sends routing only in a whole response
+            stream = self._whole(request_id, body, routing)
+        else:
+            stream = self._stream(
+                request_id, f"{self.base_url}/completions", body, chunk_from_event, "upstream"
+            )
         try:
             async for chunk in stream:
                 yield chunk
@@ -382,16 +543,77 @@ class OpenAIEngine(StagedPath):
             self._running.pop(request_id, None)
         raise EngineError(f"the {server} stream ended without a finish reason")
 
-    async def _generate_with_images(
+    def _routing_ask(
+        self, prompt_ids: Sequence[int], routed_experts_from: int | None
+    ) -> RoutingAsk | None:
+        shape = refuse_routing(self._card, routed_experts_from)
+        if shape is None or routed_experts_from is None:
+            return None
+        return RoutingAsk(
+            shape,
+            self._routing_layers,
+            self._decoder_layers,
+            len(prompt_ids),
+            min(routed_experts_from, len(prompt_ids)),
+            routed_experts_from,
+        )
+
+    async def _whole(
+        self, request_id: str, body: dict[str, Any], routing: RoutingAsk
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """One ``/v1/completions`` request answered whole (vLLM puts the routing rows only
+        there), as one chunk; an abort drops the connection, which cancels it."""
+        body = body | {"stream": False, "routed_experts_prompt_start": routing.sent}
+        aborted = self._running.setdefault(request_id, asyncio.Event())
+        url = f"{self.base_url}/completions"
+        try:
+            post = asyncio.ensure_future(self._post_whole(url, body))
+            abort = asyncio.ensure_future(aborted.wait())
+            try:
+                await asyncio.wait({post, abort}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                abort.cancel()
+                if not post.done():
+                    post.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await post
+            if post.cancelled():
+                yield TokenChunk([], [], FinishReason.ABORT)
+                return
+            answer = post.result()
+        finally:
+            self._running.pop(request_id, None)
+        chunk = chunk_from_event(answer)
+        if chunk is None or chunk.finish_reason is None:
+            raise EngineError("the upstream's whole response has no finished choice")
+        choice = answer["choices"][0]
+        chunk.routed_experts = routing.vllm(choice.get("routed_experts"), len(chunk.token_ids))
+        yield chunk
+
+    async def _post_whole(self, url: str, body: dict[str, Any]) -> Any:
+        try:
+            async with self._session().post(url, json=body) as response:
+                if response.status >= 400:
+                    text = (await response.text())[:500]
+                    if response.status == 400 and "context" in text.lower():
+                        raise PromptTooLongError(text)
+                    raise EngineError(f"upstream answered {response.status}: {text}")
+                return await response.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"upstream {url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _generate_native(
         self,
         request_id: str,
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan],
+        routing: RoutingAsk | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        """A request with images, through SGLang's native ``/generate``."""
+        """A request with images, or asking SGLang for routing, through SGLang's native
+        ``/generate``."""
         image_token = self._card.image_token_id
-        if self.images_api != "sglang" or image_token is None:
+        if images and (self.images_api != "sglang" or image_token is None):
             raise EngineError(
                 f"model {self._card.name} ({BACKEND} backend) takes no images here: token-id "
                 "prompts with images need SGLang's /generate (--images-api sglang); vLLM's "
@@ -400,9 +622,14 @@ class OpenAIEngine(StagedPath):
             )
         check_prompt(self._card, prompt_ids)
         body = await asyncio.to_thread(
-            sglang_generate_request, prompt_ids, images, image_token, sampling
+            sglang_generate_request,
+            prompt_ids,
+            images,
+            image_token,
+            sampling,
+            None if routing is None else routing.sent,
         )
-        events = SGLangStream(prompt_ids)
+        events = SGLangStream(prompt_ids, routing)
         stream = self._stream(
             request_id, f"{self.server_url}/generate", body, events.chunk, "SGLang /generate"
         )
