@@ -338,6 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
         "text only (vLLM's OpenAI-compatible server takes no images with token-id prompts)",
     )
     w.add_argument(
+        "--routed-experts",
+        choices=["vllm", "sglang"],
+        default=None,
+        help="a mixture-of-experts model's routing, returned per request for routing replay "
+        "(off by default): vllm (the vllm backend, which starts vLLM with "
+        "enable_return_routed_experts, or an openai-backend vLLM server) or sglang (an "
+        "openai-backend SGLang server); either server started with "
+        "--enable-return-routed-experts. The hf backend reports any MoE it loads",
+    )
+    w.add_argument(
         "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
     )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
@@ -596,11 +606,17 @@ async def _run_worker(args: argparse.Namespace) -> None:
             logprobs_mode=mode,
             weights_api=args.weights_api,
             images_api=args.images_api,
+            routing_api=args.routed_experts,
         )
     else:
         from worker_client.backends.vllm import VLLMEngine
 
-        engine = VLLMEngine.load(args.model, name=args.name, logprobs_mode=mode)
+        engine = VLLMEngine.load(
+            args.model,
+            name=args.name,
+            logprobs_mode=mode,
+            routed_experts=args.routed_experts == "vllm",
+        )
     fleet = WorkerFleet(
         args.proxy,
         {engine.card.name: ServedModel(engine, Path(args.model), args.chat_template)},
@@ -764,6 +780,19 @@ def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:
     return _config(args, args.worker_token, args.admin_token)
 
 
+def _routed_experts_refusal(backend: str, routed_experts: str | None) -> str | None:
+    """Why ``--routed-experts`` does not fit ``--backend`` (None: it does)."""
+    if routed_experts is None or backend == "openai":
+        return None
+    if backend == "vllm":
+        if routed_experts == "vllm":
+            return None
+        return "--backend vllm returns routing with --routed-experts vllm (its own engine)"
+    if backend == "hf":
+        return "--routed-experts is for vllm and openai: the hf backend reports any MoE it loads"
+    return f"--backend {backend} reports no routing"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_format = args.log_format or ("json" if args.command in {"proxy", "worker"} else "text")
@@ -781,6 +810,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(the vLLM/SGLang server's /v1 URL)",
                     file=sys.stderr,
                 )
+                return 2
+            refusal = _routed_experts_refusal(args.backend, args.routed_experts)
+            if refusal is not None:
+                print(f"rollout-relay worker: {refusal}", file=sys.stderr)
                 return 2
             if args.chat_template is not None and not args.chat_template.is_file():
                 print(
