@@ -790,3 +790,181 @@ def test_load_announces_the_image_token(vllm_mod: Any, monkeypatch: pytest.Monke
     eng = VLLMEngine.load("/models/tiny-vl", name="tiny-vl")
     assert eng.card == ModelCard("tiny-vl", 64, LogprobsMode.RAW, "vllm", PAD)
     assert eng.card.vision
+
+
+# ------------------------------------------------------------------ routing (R3)
+
+MOE_LAYERS, MOE_TOP_K, MOE_EXPERTS = 3, 2, 8  # of 4 decoder layers: layer 0 is dense
+
+
+def _moe_config() -> Any:
+    """A DeepSeek-shaped config: its first layer dense, the other three with experts."""
+    return SimpleNamespace(
+        num_hidden_layers=4,
+        n_routed_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+    )
+
+
+def routed_output(
+    token_ids: Sequence[int], finish_reason: str | None, rows: Any = None, prompt_len: int = 3
+) -> Any:
+    """A DELTA output whose finished completion carries vLLM's routed experts."""
+    out = output(
+        token_ids,
+        positions([(t, -0.5) for t in token_ids]),
+        finish_reason,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+    )
+    out.outputs[0].routed_experts = rows
+    return out
+
+
+def vllm_rows(first: int, end: int) -> Any:
+    """vLLM's rows of positions ``[first, end)`` over every decoder layer, uint8: position p,
+    layer l holds experts ``(p + l) % 8`` and ``(p + l + 1) % 8`` (the dense layer 0: 0s)."""
+    import numpy as np
+
+    rows = np.zeros((end - first, 4, MOE_TOP_K), dtype=np.uint8)
+    for i, p in enumerate(range(first, end)):
+        for layer in range(1, 4):
+            rows[i, layer] = [(p + layer) % 8, (p + layer + 1) % 8]
+    return rows
+
+
+def moe_engine(llm: FakeLLM) -> VLLMEngine:
+    from worker_client.backends.vllm import served_routing
+
+    shape, layers = served_routing(SimpleNamespace(hf_text_config=_moe_config()))
+    return VLLMEngine(llm, ModelCard("moe", 64, LogprobsMode.RAW, "vllm", None, shape), layers)
+
+
+def test_the_routing_shape_comes_from_the_hf_config(vllm_mod: Any) -> None:
+    """The card counts the mixture-of-experts layers as the model builds them, for
+    DeepSeek's dense first layers and for Qwen3-MoE's mlp_only_layers / sparse step."""
+    from transformers import Qwen3MoeConfig
+
+    from worker_client.backends.vllm import served_routing
+    from worker_client.routing import RoutingShape
+
+    shape, layers = served_routing(SimpleNamespace(hf_text_config=_moe_config()))
+    assert (shape, layers) == (RoutingShape(3, 2, 8), [1, 2, 3])
+    qwen = Qwen3MoeConfig(
+        num_hidden_layers=6, num_experts=300, num_experts_per_tok=4, mlp_only_layers=[0]
+    )
+    shape, layers = served_routing(SimpleNamespace(hf_text_config=qwen))
+    assert (shape, layers) == (RoutingShape(5, 4, 300), [1, 2, 3, 4, 5])
+    assert shape.dtype == "uint16"
+    dense = SimpleNamespace(
+        hf_text_config=SimpleNamespace(num_hidden_layers=4),
+        get_num_experts=lambda: 0,
+        get_num_experts_per_tok=lambda: 0,
+        get_total_num_hidden_layers=lambda: 4,
+    )
+    with pytest.raises(EngineUnavailableError, match="dense"):
+        served_routing(dense)
+
+
+def test_sampling_asks_for_rows_from_the_start(vllm_mod: Any) -> None:
+    """vLLM's own SamplingParams takes the prompt position rows are wanted from."""
+    params = to_vllm_sampling(SamplingParams(max_tokens=4), vllm_mod, 7)
+    assert params.routed_experts_prompt_start == 7
+    assert to_vllm_sampling(SamplingParams(max_tokens=4), vllm_mod).routed_experts_prompt_start == 0
+
+
+async def test_generate_returns_the_moe_layers_rows_from_the_asked_start(vllm_mod: Any) -> None:
+    """Prompt of 3, 3 tokens sampled: vLLM's rows of positions [1, 5) (it was asked from
+    min(k, prompt) = 3 but an engine may give more) are cut to positions 4.. and the MoE
+    layers; the first chunks carry no rows."""
+    import numpy as np
+
+    from worker_client.routing import unpack_rows
+
+    llm = FakeLLM(
+        [
+            routed_output([7], None),
+            routed_output([8, 9], "length", vllm_rows(1, 5)),
+        ]
+    )
+    eng = moe_engine(llm)
+    chunks = await collect(
+        eng.generate("r1", PROMPT, SamplingParams(max_tokens=3), routed_experts_from=4)
+    )
+    assert llm.calls[0][1].routed_experts_prompt_start == 3
+    assert chunks[0].routed_experts is None
+    routed = chunks[-1].routed_experts
+    assert routed is not None
+    assert (routed.start, routed.rows) == (4, 1)
+    assert eng.card.routing is not None
+    assert np.array_equal(unpack_rows(routed, eng.card.routing), vllm_rows(4, 5)[:, 1:])
+
+
+async def test_rows_from_a_later_start_than_asked_fail_the_request(vllm_mod: Any) -> None:
+    llm = FakeLLM([routed_output([7, 8], "stop", vllm_rows(3, 4))])
+    with pytest.raises(EngineError, match="from position 3; it was asked from 1"):
+        await collect(
+            moe_engine(llm).generate(
+                "r1", PROMPT, SamplingParams(max_tokens=3), routed_experts_from=1
+            )
+        )
+
+
+async def test_no_rows_from_a_finished_request_fail_it_but_an_early_abort_has_none(
+    vllm_mod: Any,
+) -> None:
+    llm = FakeLLM([routed_output([7], "stop", None)])
+    with pytest.raises(EngineError, match="enable_return_routed_experts"):
+        await collect(
+            moe_engine(llm).generate(
+                "r1", PROMPT, SamplingParams(max_tokens=3), routed_experts_from=0
+            )
+        )
+    llm = FakeLLM([routed_output([], "abort", None)])
+    (chunk,) = await collect(
+        moe_engine(llm).generate("r1", PROMPT, SamplingParams(max_tokens=3), routed_experts_from=0)
+    )
+    assert chunk.finish_reason is FinishReason.ABORT
+    assert chunk.routed_experts is None
+
+
+async def test_a_text_request_asks_nothing_and_a_model_without_routing_refuses(
+    vllm_mod: Any,
+) -> None:
+    llm = FakeLLM([routed_output([7], "stop", None)])
+    chunks = await collect(moe_engine(llm).generate("r1", PROMPT, SamplingParams(max_tokens=3)))
+    assert chunks[-1].routed_experts is None
+    assert llm.calls[0][1].routed_experts_prompt_start == 0
+    with pytest.raises(EngineError, match="reports no routing"):
+        await collect(
+            engine(FakeLLM([])).generate(
+                "r1", PROMPT, SamplingParams(max_tokens=3), routed_experts_from=0
+            )
+        )
+
+
+def test_load_turns_on_routed_experts(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``routed_experts=True`` starts vLLM with enable_return_routed_experts (a real
+    AsyncEngineArgs field) and announces the shape."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from worker_client.routing import RoutingShape
+
+    seen: list[Any] = []
+
+    def fake_from_engine_args(args: Any) -> FakeLLM:
+        seen.append(args)
+        llm = FakeLLM([])
+        llm.model_config = SimpleNamespace(max_model_len=64, hf_text_config=_moe_config())
+        return llm
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
+    eng = VLLMEngine.load("/models/moe", name="moe", routed_experts=True)
+    assert seen[0].enable_return_routed_experts is True
+    assert eng.card.routing == RoutingShape(3, 2, 8)
+    plain = VLLMEngine.load("/models/moe", name="moe")
+    assert seen[1].enable_return_routed_experts is False
+    assert plain.card.routing is None
