@@ -205,6 +205,29 @@ def test_a_worker_chat_template_that_is_not_a_file_is_refused(
     assert f"--chat-template {missing}: no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("backend", "api", "refused"),
+    [
+        ("hf", "vllm", "the hf backend reports any MoE it loads"),
+        ("vllm", "sglang", "--routed-experts vllm"),
+        ("instant", "vllm", "--backend instant reports no routing"),
+    ],
+)
+def test_routed_experts_is_off_by_default_and_refused_where_it_does_not_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str, api: str, refused: str
+) -> None:
+    """``worker --routed-experts {vllm,sglang}`` asks the vllm and openai engines for
+    routing; it is off unless given, and a backend it does not apply to stops the worker
+    before it starts."""
+    base = ["worker", "--proxy", "ws://127.0.0.1:9/", "--model", str(tmp_path)]
+    assert build_parser().parse_args(base).routed_experts is None
+    assert build_parser().parse_args([*base, "--routed-experts", "sglang"]).routed_experts == (
+        "sglang"
+    )
+    assert main([*base, "--backend", backend, "--routed-experts", api]) == 2
+    assert refused in capsys.readouterr().err
+
+
 def test_the_tiny_model_is_the_shipped_one_unless_a_model_is_given(tmp_path: Path) -> None:
     """`demo`, `up` and the benchmarks serve the shipped tiny model at once (no training on a
     first run); --model wins over it."""
