@@ -18,6 +18,10 @@ tool call), and its logprobs are made up.
 * A vision-language model's directory (its config names an ``image_token_id``) makes a
   card that takes images: they are received and ignored, so a benchmark measures what
   carrying images costs the proxy and the relay, not what a vision encoder costs.
+* A mixture-of-experts model's directory (its config names experts per token) makes a
+  card with its routing shape: a request that asks for routing gets rows of made-up expert
+  ids from the asked position on, as an engine reports them, so a benchmark measures what
+  recording routing costs the proxy.
 * The last chunk's ``extra`` carries ``first_token_time``: the wall-clock time (Unix
   seconds) at which the first token was handed on, so a benchmark can tell how long the
   token took to reach the agent.
@@ -34,6 +38,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
+from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -46,6 +51,7 @@ from worker_client.engine import (
     refuse_routing,
 )
 from worker_client.exceptions import EngineUnavailableError
+from worker_client.routing import pack_rows, shape_from_config
 
 
 class InstantEngine:
@@ -59,6 +65,7 @@ class InstantEngine:
         reply_tokens: int = 16,
         tokens_per_second: float = 0.0,
         image_token_id: int | None = None,
+        routing: RoutingShape | None = None,
     ) -> None:
         if not vocab:
             raise EngineUnavailableError("the instant backend needs a non-empty vocabulary")
@@ -66,7 +73,9 @@ class InstantEngine:
             raise EngineUnavailableError("reply_tokens must be at least 1")
         if tokens_per_second < 0:
             raise EngineUnavailableError("tokens_per_second must be >= 0")
-        self._card = ModelCard(name, max_model_len, LogprobsMode.RAW, "instant", image_token_id)
+        self._card = ModelCard(
+            name, max_model_len, LogprobsMode.RAW, "instant", image_token_id, routing
+        )
         self.vocab = list(vocab)
         self.eos_token_id = eos_token_id
         self.reply_tokens = reply_tokens
@@ -122,6 +131,7 @@ class InstantEngine:
             reply_tokens=reply_tokens,
             tokens_per_second=tokens_per_second,
             image_token_id=image_token if isinstance(image_token, int) else None,
+            routing=shape_from_config(config),
         )
 
     @property
@@ -141,7 +151,7 @@ class InstantEngine:
         images: Sequence[ImageSpan] = (),
         routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        refuse_routing(self._card, routed_experts_from)
+        routing = refuse_routing(self._card, routed_experts_from)
         if not self._card.vision:  # a vision card takes them, and runs no model on them
             refuse_images(self._card, images)
         room = check_prompt(self._card, prompt_ids)
@@ -167,12 +177,12 @@ class InstantEngine:
                     yield TokenChunk([rng.choice(self.vocab)], [logprob])
                     continue
                 extra: dict[str, str | int | float] = {"first_token_time": first_at}
-                if ends_with_stop:
-                    yield TokenChunk([self.eos_token_id], [logprob], FinishReason.STOP, extra)
-                else:
-                    yield TokenChunk(
-                        [rng.choice(self.vocab)], [logprob], FinishReason.LENGTH, extra
-                    )
+                rows = None
+                if routing is not None and routed_experts_from is not None:
+                    rows = _made_up_rows(routing, routed_experts_from, len(prompt_ids) + count - 1)
+                token = self.eos_token_id if ends_with_stop else rng.choice(self.vocab)
+                finish = FinishReason.STOP if ends_with_stop else FinishReason.LENGTH
+                yield TokenChunk([token], [logprob], finish, extra, routed_experts=rows)
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
@@ -193,3 +203,13 @@ class InstantEngine:
 
     async def close(self) -> None:
         return None
+
+
+def _made_up_rows(shape: RoutingShape, start: int, end: int) -> RoutedExperts:
+    """Rows of positions ``[start, end)`` with made-up expert ids (an engine's are its
+    routers' choices; only their size matters to a benchmark)."""
+    import numpy as np
+
+    rows = max(end - start, 0)
+    ids = np.arange(rows * shape.layers * shape.top_k) % shape.experts
+    return pack_rows(ids.reshape(rows, shape.layers, shape.top_k), start, shape)

@@ -160,3 +160,23 @@ async def test_a_vision_model_directory_takes_images_and_a_text_one_refuses_them
     assert text.card.image_token_id is None
     with pytest.raises(EngineError, match="does not take images"):
         [c async for c in text.generate("r", [1, 2, 3], sampling, [image])]
+
+
+async def test_a_moe_directory_reports_made_up_routing_of_the_asked_rows() -> None:
+    """The tiny MoE's directory makes a card with its routing shape; a request that asks
+    gets one row per position run forward from the asked start, every id an expert."""
+    from worker_client.routing import unpack_rows
+    from worker_client.tiny_moe import SHIPPED_TINY_MOE
+
+    engine = InstantEngine.load(SHIPPED_TINY_MOE, reply_tokens=3)
+    shape = engine.card.routing
+    assert shape is not None
+    assert (shape.layers, shape.top_k, shape.experts) == (2, 2, 8)
+    sampling = SamplingParams(max_tokens=8, seed=1)
+    chunks = [c async for c in engine.generate("r", [1, 2, 3, 4, 5], sampling, (), 2)]
+    routed = chunks[-1].routed_experts
+    assert routed is not None
+    assert (routed.start, routed.rows) == (2, 5 + 3 - 1 - 2)
+    assert int(unpack_rows(routed, shape).max()) < shape.experts
+    plain = [c async for c in engine.generate("r2", [1, 2, 3], sampling)]
+    assert plain[-1].routed_experts is None
