@@ -847,11 +847,20 @@ class _Decoding:
         return last, parsed
 
 
+# How long a reply ended by a stop string waits for its worker's last frame, which brings
+# the routing rows of what it sampled (sessions that record routing only); past it, the
+# turn is recorded with those rows missing.
+_ROWS_AFTER_STOP_SECONDS = 5.0
+
+
 async def _ended_by_stop(call: RelayCall, decoding: _Decoding) -> FinishedEvent | None:
     """Where a stop string matched, the reply ends: the worker is stopped."""
     if decoding.stopper.hit is None:
         return None
     await call.cancel()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_ROWS_AFTER_STOP_SECONDS):
+            await call.rows_after_cancel()
     return FinishedEvent("stop_sequence", call.worker_id or WorkerId(""), {})
 
 

@@ -394,6 +394,8 @@ class RelayCall:
         self.segments: list[tuple[int, int]] = []
         # The routing rows gathered from its attempts (None: none were asked).
         self.routed = RoutedRows(routed_experts_from) if routed_experts_from is not None else None
+        # Set once the Done of a cancelled request that gathers routing came (or never will).
+        self._closed_rows: asyncio.Event | None = None
         self._slot: asyncio.Future[WorkerHandle] | None = None
         # Events not yet taken by ``events()`` and the consumer's wake-up; how many token
         # ids and how many other events are waiting, how many token ids wake the
@@ -636,6 +638,14 @@ class RelayCall:
         """Abort the request (idempotent; no-op once finished)."""
         await self.pool.cancel(self)
 
+    async def rows_after_cancel(self) -> None:
+        """After ``cancel``: wait for the rows the worker's last frame brings (the caller
+        bounds the wait). A reply ended by the proxy (a stop string) was sampled by the
+        engine up to there; its routing comes only with the worker's Done."""
+        event = self._closed_rows
+        if event is not None:
+            await event.wait()
+
     def take_waiting(self) -> TokensEvent | None:
         """The tokens that arrived but were not taken by the consumer (held for a sink,
         or waiting for a consumer that stopped before taking them), as one event, taken
@@ -675,6 +685,8 @@ class WorkerPool:
         self.stats = PoolStats()
         self.workers: dict[WorkerId, WorkerHandle] = {}
         self._calls: dict[RequestId, RelayCall] = {}
+        # Cancelled calls that gather routing, until their worker's last frame brings it.
+        self._closing: dict[RequestId, RelayCall] = {}
         self._queue: FairQueue[str, RelayCall] = FairQueue()
         self._affinity: OrderedDict[str, WorkerId] = OrderedDict()
         self._affinity_cap = 65536
@@ -804,6 +816,11 @@ class WorkerPool:
         for ack in handle.acks.values():
             if not ack.done():
                 ack.set_exception(WorkerFailedError("worker_lost", f"worker left: {reason}"))
+        for rid, closing in list(self._closing.items()):
+            if closing.worker_id == handle.worker_id:  # its rows will never come
+                del self._closing[rid]
+                assert closing._closed_rows is not None
+                closing._closed_rows.set()
         lost = [self._calls[r] for r in handle.in_flight if r in self._calls]
         handle.in_flight.clear()
         log.warning(
@@ -1031,6 +1048,9 @@ class WorkerPool:
             handle.in_flight.discard(call.request_id)
             frame = handle.endpoint.cancel(call.request_id)
             if frame is not None:
+                if call.routed is not None:  # its Done will still bring the rows
+                    call._closed_rows = asyncio.Event()
+                    self._closing[call.request_id] = call
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await handle.link.send(frame)
             await self._notify()
@@ -1080,6 +1100,14 @@ class WorkerPool:
         rid = RequestId(message.request_id or "")
         call = self._calls.get(rid)
         if call is None or call.worker_id != handle.worker_id:
+            closing = self._closing.get(rid)
+            last = not isinstance(message, protocol.Delta)
+            if closing is not None and closing.worker_id == handle.worker_id and last:
+                del self._closing[rid]  # its last frame: the rows come with a Done
+                if isinstance(message, protocol.Done):
+                    closing._rows(message, handle)
+                assert closing._closed_rows is not None
+                closing._closed_rows.set()
             return False  # late frames of a cancelled or re-dispatched request
         if isinstance(message, protocol.Delta):
             ids = protocol.unpack_ids(message.token_ids)

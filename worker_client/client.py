@@ -161,6 +161,10 @@ class WorkerClient:
         self.policy = policy or WorkerPolicy([m.engine for m in self.models.values()])
         self.connected = asyncio.Event()
         self._rng = random.Random()
+        # Requests generating that record routing, with their engine: stopped by the proxy,
+        # they are ended through the engine so that their Done brings the rows.
+        self._routing: dict[str, Engine] = {}
+        self._aborts: set[asyncio.Task[None]] = set()
         self._hello_models = [
             protocol.ModelInfo(
                 name=name,
@@ -263,7 +267,17 @@ class WorkerClient:
                     # Cancelling the task covers a request whose task has not started yet
                     # as well as one mid-stream (_run_request then aborts the engine).
                     pending = running.get(message.request_id)
-                    if pending is not None:
+                    closing = self._routing.get(message.request_id)
+                    if pending is not None and closing is not None:
+                        # Stopped by the proxy (a stop string) mid-generation: the engine
+                        # ends the request, and its Done brings the routing rows of what it
+                        # sampled, which the proxy waits for.
+                        abort = asyncio.create_task(
+                            _abort_keeping_rows(closing, message.request_id, pending)
+                        )
+                        self._aborts.add(abort)
+                        abort.add_done_callback(self._aborts.discard)
+                    elif pending is not None:
                         pending.cancel()
                 elif isinstance(message, protocol.Image):
                     images[message.sha256] = message.data
@@ -313,9 +327,14 @@ class WorkerClient:
             # One admission limit per engine, whichever proxy the request came from.
             async with self.admission[message.model]:
                 started = True
-                await self._generate(
-                    outbox, served, rid, prompt, sampling, images, message.routed_experts_from
-                )
+                if message.routed_experts_from is not None:
+                    self._routing[rid] = served.engine
+                try:
+                    await self._generate(
+                        outbox, served, rid, prompt, sampling, images, message.routed_experts_from
+                    )
+                finally:
+                    self._routing.pop(rid, None)
                 finished = True
         except asyncio.CancelledError:
             outbox.discard(rid)
@@ -450,6 +469,22 @@ def _close_on_failure(ws: ClientConnection, sender: asyncio.Task[None]) -> None:
     if not sender.cancelled() and sender.exception() is not None:
         log.warning("worker connection could not send: %s", sender.exception())
         ws.transport.abort()
+
+
+# How long an engine asked to stop a request that records routing may take to end it (its
+# Done brings the rows) before the request is cancelled outright.
+_ABORT_SECONDS = 10.0
+
+
+async def _abort_keeping_rows(engine: Engine, rid: str, task: asyncio.Task[None]) -> None:
+    """End a running request through its engine, so that it finishes with a Done (and its
+    routing rows) rather than being cut off without one."""
+    try:
+        await engine.abort(rid)
+        await asyncio.wait({task}, timeout=_ABORT_SECONDS)
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _forget(running: dict[str, asyncio.Task[None]], rid: str, task: object) -> None:

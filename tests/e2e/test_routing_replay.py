@@ -145,3 +145,29 @@ async def test_a_dense_model_asked_for_routing_says_so(proxy_client: ProxyClient
         await proxy_client.create_session(routed_experts=True)
     assert caught.value.status == 400
     assert caught.value.code == "routing_unsupported"
+
+
+async def test_a_reply_ended_by_a_stop_string_keeps_its_routing(
+    moe_client: ProxyClient, moe_model: Any
+) -> None:
+    """The proxy stops the worker where a stop string matched; the worker's last frame
+    still brings the rows of what it sampled, so the turn is trainable with R3."""
+    trial = await moe_client.create_session(
+        sampling={"temperature": 1.0, "top_p": 1.0}, routed_experts=True
+    )
+    async with AsyncOpenAI(base_url=trial.base_url, api_key=trial.api_key, max_retries=0) as c:
+        reply = await c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Tell me about the sea."}],
+            stop=["e", "a", "o", " "],  # the tiny model writes one of these soon
+            max_tokens=40,
+        )
+    assert reply.choices[0].finish_reason == "stop"
+    (trajectory,) = (await moe_client.trajectories(trial.trial_id))["trajectories"]
+    assert trajectory["turns"][0]["finish_reason"] == "stop_sequence"
+    assert trajectory["turns"][0]["routing_missing"] is False
+    routing = export_routing(trajectory)
+    assert routing is not None
+    assert routing.missing == ()
+    ids = trajectory["prompt_ids"] + trajectory["response_ids"]
+    assert np.array_equal(routing.rows, _own_routing(moe_model, ids))
