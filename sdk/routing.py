@@ -23,7 +23,81 @@ from typing import Any
 import numpy as np
 
 from sdk.exceptions import RoutingReplayError
-from worker_client.routing import find_routers
+from worker_client.exceptions import EngineError
+from worker_client.routing import find_routers, router_kind
+
+
+def _routers(model: Any) -> list[Any]:
+    """The model's routers (``find_routers``); one that cannot be replayed is refused."""
+    try:
+        routers = find_routers(model)
+    except EngineError as error:
+        raise RoutingReplayError(str(error)) from error
+    if not routers:
+        raise RoutingReplayError("the model has no mixture-of-experts routers to replay")
+    return routers
+
+
+def _softmax(router: Any, hidden: Any, indices: Any, *, renormalise: bool, cast: bool) -> Any:
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, router.weight)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    scores = probs.gather(1, indices)
+    if renormalise:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return logits, scores.to(logits.dtype) if cast else scores
+
+
+def _deepseek_v2(router: Any, hidden: Any, indices: Any) -> Any:
+    import torch
+
+    logits = torch.nn.functional.linear(hidden.float(), router.weight.float())
+    scores = logits.softmax(dim=-1, dtype=torch.float32).gather(1, indices)
+    return logits, scores * router.routed_scaling_factor
+
+
+def _sigmoid(router: Any, hidden: Any, indices: Any) -> Any:
+    import torch
+
+    logits = torch.nn.functional.linear(hidden.float(), router.weight.float())
+    scores = logits.sigmoid().gather(1, indices)
+    if router.norm_topk_prob:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, scores * router.routed_scaling_factor
+
+
+def _gpt_oss(router: Any, hidden: Any, indices: Any) -> Any:
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, router.weight, router.bias)
+    picked = logits.gather(1, indices)
+    return logits, torch.softmax(picked, dim=1, dtype=picked.dtype)
+
+
+def replayed_router(router: Any, hidden_states: Any, indices: Any) -> tuple[Any, Any, Any]:
+    """What ``router`` returns for ``hidden_states`` when it picks ``indices`` (``[tokens,
+    top_k]``): ``(router_logits, scores, indices)``, the scores (gate weights) of the picked
+    experts computed from its own logits as its kind does (``ROUTER_KINDS``)."""
+    hidden = hidden_states.reshape(-1, router.weight.shape[1])
+    indices = indices.to(hidden.device)
+    kind = router_kind(router)
+    if kind == "softmax":
+        renormalise = bool(getattr(router, "norm_topk_prob", False))
+        logits, scores = _softmax(router, hidden, indices, renormalise=renormalise, cast=True)
+    elif kind == "softmax-renormalised":
+        logits, scores = _softmax(router, hidden, indices, renormalise=True, cast=True)
+    elif kind == "mixtral":
+        logits, scores = _softmax(router, hidden, indices, renormalise=True, cast=False)
+    elif kind == "deepseek-v2":
+        logits, scores = _deepseek_v2(router, hidden, indices)
+    elif kind == "sigmoid":
+        logits, scores = _sigmoid(router, hidden, indices)
+    elif kind == "gpt-oss":
+        logits, scores = _gpt_oss(router, hidden, indices)
+    else:  # pragma: no cover - ROUTER_KINDS names no other kind
+        raise RoutingReplayError(f"no replay for routers of kind {kind}")
+    return logits, scores, indices
 
 
 @contextmanager
@@ -31,9 +105,7 @@ def replay_routing(model: Any, rows: np.ndarray[Any, Any]) -> Iterator[None]:
     """Within the block, ``model``'s routers route each token to its recorded experts."""
     import torch
 
-    routers = find_routers(model)
-    if not routers:
-        raise RoutingReplayError("the model has no mixture-of-experts routers to replay")
+    routers = _routers(model)
     if rows.ndim != 3 or rows.shape[1] != len(routers) or rows.shape[2] != routers[0].top_k:
         raise RoutingReplayError(
             f"routing rows of shape {tuple(rows.shape)} do not fit a model of "
@@ -56,13 +128,7 @@ def replay_routing(model: Any, rows: np.ndarray[Any, Any]) -> Iterator[None]:
                     f"{recorded.shape[0]}"
                 )
             at[layer] = start + count
-            logits = torch.nn.functional.linear(hidden, router.weight)
-            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-            indices = recorded[start : start + count, layer].to(logits.device)
-            scores = probs.gather(1, indices)
-            if getattr(router, "norm_topk_prob", False):
-                scores = scores / scores.sum(dim=-1, keepdim=True)
-            return logits, scores.to(logits.dtype), indices
+            return replayed_router(router, hidden, recorded[start : start + count, layer])
 
         return forward
 
@@ -106,8 +172,7 @@ class ReplayScorer:
     its routers forced to the recorded rows; without rows, with its own routing."""
 
     def __init__(self, model: Any) -> None:
-        if not find_routers(model):
-            raise RoutingReplayError("the model has no mixture-of-experts routers to replay")
+        _routers(model)
         self.model = model
 
     def __call__(
@@ -149,9 +214,7 @@ class BatchReplay:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.routers = find_routers(model)
-        if not self.routers:
-            raise RoutingReplayError("the model has no mixture-of-experts routers to replay")
+        self.routers = _routers(model)
         self.layers = len(self.routers)
         self.top_k = int(self.routers[0].top_k)
         self.experts = int(self.routers[0].num_experts)
@@ -264,7 +327,6 @@ class BatchReplay:
         self._current = self.batch_rows(input_ids, kwargs.get("attention_mask"))
 
     def _forced(self, layer: int, router: Any) -> Any:
-        import torch
 
         own = type(router).forward
 
@@ -278,12 +340,6 @@ class BatchReplay:
                     f"the routers run {hidden.shape[0]} tokens; the forward's routing has "
                     f"{0 if current is None else current.shape[0]}"
                 )
-            logits = torch.nn.functional.linear(hidden, router.weight)
-            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-            indices = current[:, layer].to(logits.device)
-            scores = probs.gather(1, indices)
-            if getattr(router, "norm_topk_prob", False):
-                scores = scores / scores.sum(dim=-1, keepdim=True)
-            return logits, scores.to(logits.dtype), indices
+            return replayed_router(router, hidden, current[:, layer])
 
         return forward

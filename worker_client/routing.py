@@ -1,8 +1,11 @@
 """Which experts a transformers mixture-of-experts model routes each token to, read from its
 routers while it runs (rollout routing replay, R3, records these at rollout).
 
-A router of a transformers MoE (``Qwen3MoeTopKRouter`` and its kin) returns
-``(router_logits, scores, indices)``, ``indices`` of shape ``[tokens, top_k]``.
+A router of a transformers MoE (``Qwen3MoeTopKRouter`` and its kin: Qwen2/3-MoE, Qwen3-Next,
+Qwen3.5-MoE, OLMoE, Mixtral, DeepSeek-V2/V3, GLM-4.5, gpt-oss and those in ``ROUTER_KINDS``)
+returns ``(router_logits, scores, indices)``, ``indices`` of shape ``[tokens, top_k]``.
+``find_routers`` finds them by name and class, and refuses an MoE model whose routers are
+not of a class it knows or not on the layers its config routes to experts.
 ``generate()`` drops router outputs, so ``RoutingCapture`` hooks every router and keeps the
 indices of each forward pass, layer by layer. The rows come out as one array
 ``[positions, layers, top_k]``, ``uint8`` when the model has at most 256 experts, else
@@ -30,6 +33,7 @@ from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.exceptions import EngineError
 
 __all__ = [
+    "ROUTER_KINDS",
     "RoutedExperts",
     "RoutingCapture",
     "RoutingShape",
@@ -38,14 +42,55 @@ __all__ = [
     "find_routers",
     "moe_layers",
     "pack_rows",
+    "router_kind",
     "routing_shape",
     "rows_dtype",
     "shape_from_config",
     "unpack_rows",
 ]
 
-# A decoder layer's MoE router, e.g. ``model.layers.3.mlp.gate``.
-_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+# A decoder layer's MoE router, e.g. ``model.layers.3.mlp.gate`` (gpt-oss: ``mlp.router``).
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
+
+# The routers whose routing is read and replayed, by class (transformers 5.x), with their
+# kind: how the router weighs the ``top_k`` experts it picks, which replay
+# (``sdk.routing``) recomputes for the recorded experts. Every one returns
+# ``(router_logits, scores, indices)``; how it picks (grouped top-k, a score correction
+# bias) does not matter, the picks being recorded.
+#   softmax: softmax over the experts, renormalised over the picked when norm_topk_prob
+#   softmax-renormalised: the same, always renormalised
+#   mixtral: the same, always renormalised, the gates left in float32
+#   deepseek-v2: softmax over the experts in float32, times routed_scaling_factor
+#   sigmoid: sigmoid in float32, renormalised when norm_topk_prob, times
+#       routed_scaling_factor
+#   gpt-oss: softmax over the picked experts' logits (with the router's bias)
+# The tests build a tiny model of each architecture whose router is listed first in its
+# kind's group below and check capture and replay on it; the others' routers have the same
+# source as one of those (tests/worker_client/test_moe_architectures.py checks that too).
+ROUTER_KINDS: dict[str, str] = {
+    "Qwen3MoeTopKRouter": "softmax",
+    "Qwen2MoeTopKRouter": "softmax",
+    "OlmoeTopKRouter": "softmax",
+    "FlexOlmoTopKRouter": "softmax",
+    "Qwen3NextTopKRouter": "softmax",
+    "Qwen3OmniMoeThinkerTextTopKRouter": "softmax",
+    "Qwen3_5MoeTopKRouter": "softmax-renormalised",
+    "Qwen3VLMoeTextTopKRouter": "softmax-renormalised",
+    "MixtralTopKRouter": "mixtral",
+    "MiniMaxTopKRouter": "mixtral",
+    "DeepseekV2TopkRouter": "deepseek-v2",
+    "DeepseekV3TopkRouter": "sigmoid",
+    "DeepseekV32TopkRouter": "sigmoid",
+    "Dots1TopkRouter": "sigmoid",
+    "ExaoneMoeTopkRouter": "sigmoid",
+    "Glm4MoeTopkRouter": "sigmoid",
+    "Glm4MoeLiteTopkRouter": "sigmoid",
+    "Glm4vMoeTextTopkRouter": "sigmoid",
+    "GlmMoeDsaTopkRouter": "sigmoid",
+    "BailingHybridTopkRouter": "sigmoid",
+    "Glm5NextTextTopkRouter": "sigmoid",
+    "GptOssTopKRouter": "gpt-oss",
+}
 
 
 def rows_dtype(shape: RoutingShape) -> np.dtype[Any]:
@@ -53,15 +98,45 @@ def rows_dtype(shape: RoutingShape) -> np.dtype[Any]:
     return np.dtype(shape.dtype).newbyteorder("<")
 
 
+def router_kind(router: Any) -> str:
+    """The kind of a router ``find_routers`` found (``ROUTER_KINDS``)."""
+    return ROUTER_KINDS[type(router).__name__]
+
+
 def find_routers(model: Any) -> list[Any]:
-    """The model's MoE routers in layer order (empty for a dense model): modules named
-    ``layers.<i>.mlp.gate`` that pick ``top_k`` of ``num_experts``."""
+    """The model's MoE routers in layer order (empty for a dense model): the modules
+    ``layers.<i>.mlp.gate`` (or ``.router``) that pick ``top_k`` of ``num_experts``.
+
+    Raises ``EngineError`` rather than return routers that may be wrong: a router of a
+    class not in ``ROUTER_KINDS``, routers of differing shapes, or routers on other layers
+    than those the model's config says route to experts (``moe_layers``), none included.
+    """
     found: list[tuple[int, Any]] = []
     for name, module in model.named_modules():
         match = _ROUTER_NAME.search(name)
         if match and hasattr(module, "top_k") and hasattr(module, "num_experts"):
             found.append((int(match.group(1)), module))
-    return [module for _, module in sorted(found, key=lambda pair: pair[0])]
+    found.sort(key=lambda pair: pair[0])
+    config = getattr(model, "config", None)
+    expected = moe_layers(config) if config is not None else None
+    what = type(model).__name__
+    if not found and expected is None:
+        return []
+    unknown = sorted({type(m).__name__ for _, m in found} - ROUTER_KINDS.keys())
+    if unknown:
+        raise EngineError(
+            f"{what}: routing is not supported for routers of class {', '.join(unknown)} "
+            f"(supported: {', '.join(ROUTER_KINDS)})"
+        )
+    layers = [layer for layer, _ in found]
+    if config is not None and layers != (expected or []):
+        raise EngineError(
+            f"{what}: its config routes layers {expected or []} to experts, but routers "
+            f"were found on layers {layers}: routing is not supported for this architecture"
+        )
+    if len({(int(m.top_k), int(m.num_experts)) for _, m in found}) > 1:
+        raise EngineError(f"{what}: its routers pick differing numbers of experts")
+    return [module for _, module in found]
 
 
 def routing_shape(model: Any) -> RoutingShape | None:

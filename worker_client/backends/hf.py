@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,8 @@ from worker_client.engine import (
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
 from worker_client.routing import RoutingCapture, engine_rows, find_routers
+
+log = logging.getLogger(__name__)
 
 _GREEDY_BELOW = 1e-5
 # Decoded images' pixel values kept by sha256: every turn's history repeats the screenshots.
@@ -144,8 +147,13 @@ class HFEngine:
         image_token = None
         if image_processor is not None:
             image_token = int(model.config.image_token_id)
-        # A mixture-of-experts model's routers: its routing is captured where asked.
-        self._routers = find_routers(model)
+        # A mixture-of-experts model's routers: its routing is captured where asked. One
+        # whose routers cannot be read (find_routers refuses it) is served without routing.
+        try:
+            self._routers = find_routers(model)
+        except EngineError as error:
+            log.warning("%s: served without routing: %s", name, error)
+            self._routers = []
         routing = RoutingCapture(model, self._routers).shape if self._routers else None
         self._card = ModelCard(name, max_model_len, logprobs_mode, "hf", image_token, routing)
         self.eos_token_ids = frozenset(eos_token_ids)
