@@ -2,11 +2,13 @@
 whose routers send each token to the experts the rollout engine chose for it.
 
 The trainer's router still computes its own logits, so the gate weights of the chosen
-experts, and their gradients, come from the trainer: only *which* experts is forced. For a
-router that returns ``(router_logits, scores, indices)`` (Qwen3-MoE and its kin), replaying
-means ``indices`` = the recorded experts and ``scores`` = the softmax of the router's own
-logits gathered at them (renormalised over the chosen experts when the model sets
-``norm_topk_prob``).
+experts, and their gradients, come from the trainer: only *which* experts is forced. A
+router returns ``(router_logits, scores, indices)``; replaying means ``indices`` = the
+recorded experts and ``scores`` = the router's own weighing gathered at them, as its kind
+(``worker_client.routing.ROUTER_KINDS``) computes it: for Qwen3-MoE the softmax of its
+logits (renormalised over the chosen experts when the model sets ``norm_topk_prob``), for
+DeepSeek-V3 and GLM-4.5 their sigmoid (renormalised, times ``routed_scaling_factor``), for
+gpt-oss the softmax of the chosen experts' logits (``replayed_router``).
 
 ``replay_routing(model, rows)`` forces the routers for the forward passes run inside it:
 ``rows`` is ``[positions, layers, top_k]`` (the export's ``routed_experts``, or a sample's),

@@ -126,7 +126,7 @@ def find_routers(model: Any) -> list[Any]:
     if unknown:
         raise EngineError(
             f"{what}: routing is not supported for routers of class {', '.join(unknown)} "
-            f"(supported: {', '.join(ROUTER_KINDS)})"
+            "(worker_client.routing.ROUTER_KINDS lists those it is)"
         )
     layers = [layer for layer, _ in found]
     if config is not None and layers != (expected or []):
