@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := rollout_relay proxy relay worker_client sdk deploy bench
 
-.PHONY: setup check lint typecheck test test-harbor test-vllm demo train up bench clean
+.PHONY: setup check lint typecheck test test-harbor test-vllm demo train train-moe up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -46,6 +46,13 @@ demo:
 train: setup
 	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
 	$(BIN)/rollout-relay train
+
+# The same on the shipped tiny mixture-of-experts model with rollout routing replay (R3):
+# each token's experts recorded at rollout and forced in the trainer's forward; each step
+# prints the on-policy gap with the trainer's own routing and with the recorded one (~1 min).
+train-moe: setup
+	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
+	$(BIN)/rollout-relay train --moe --routed-experts --out .cache/train-moe
 
 up: setup
 	$(BIN)/rollout-relay up
