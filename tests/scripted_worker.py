@@ -153,16 +153,6 @@ class RoutingWorkerClient(WorkerClient):
         self.early = 0
         self.short = 0
         self.asked: list[tuple[int | None, int, int]] = []
-        self._from: dict[str, int | None] = {}
-
-    async def _run_request(
-        self, outbox: Outbox, message: protocol.Generate, images: Sequence[ImageSpan] = ()
-    ) -> None:
-        self._from[message.request_id] = message.routed_experts_from
-        try:
-            await super()._run_request(outbox, message, images)
-        finally:
-            self._from.pop(message.request_id, None)
 
     async def _generate(
         self,
@@ -172,16 +162,17 @@ class RoutingWorkerClient(WorkerClient):
         prompt: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
+        routed_experts_from: int | None = None,
     ) -> None:
         ids = list(prompt)
-        stream = served.engine.generate(rid, prompt, sampling, images)
+        stream = served.engine.generate(rid, prompt, sampling, images)  # a scripted engine
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
                 if chunk.finish_reason is None:
                     outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
                     continue
-                asked = self._from.get(rid)
+                asked = routed_experts_from
                 routed = None
                 if asked is not None:
                     start = max(0, asked - self.early)

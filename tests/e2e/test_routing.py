@@ -229,7 +229,9 @@ async def test_a_worker_lost_mid_turn_leaves_the_turn_without_its_rows(
                 assert r.status == 200
                 lines = 0
                 while lines < 5:  # some tokens of the reply went out
-                    lines += (await r.content.readline()).startswith(b"data: {")
+                    line = await r.content.readline()
+                    assert line, "the stream ended before the worker was lost"
+                    lines += line.startswith(b"data: {")
                 running.worker_tasks[-1].cancel()  # the worker dies
                 await r.read()
             for _ in range(200):

@@ -75,3 +75,45 @@ def test_a_short_training_run_is_on_policy_at_every_step(
     assert on_policy_gap(original, report.batches[-1].samples) > 10 * GAP_LIMIT
     assert (tmp_path / "out" / "train.png").stat().st_size > 0
     assert (tmp_path / "out" / "train.json").is_file()
+
+
+def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_thread: None) -> None:
+    """``make train-moe`` in short form: the session records routing, the trainer's forward
+    replays it, and every step is on-policy with the routers forced to the rollout's
+    experts (the replayed gap is measured, not skipped)."""
+    from worker_client.tiny_moe import SHIPPED_TINY_MOE
+
+    config = ProxyConfig(
+        port=0, admin_token=ADMIN, worker_token=WORKER, cache_dir=tmp_path / "proxy-cache"
+    )
+
+    async def start() -> RunningProxy:
+        running = await start_proxy(config)
+        start_hf_worker(running, SHIPPED_TINY_MOE, worker_id="train-moe", token=WORKER)
+        await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
+        return running
+
+    settings = TrainSettings(
+        steps=2, prompts_per_step=2, generations=4, learning_rate=5e-3, routed_experts=True
+    )
+    with BackgroundLoop() as loop:
+        running = loop.run(start())
+        try:
+            report = train(
+                running.url,
+                SHIPPED_TINY_MOE,
+                tmp_path / "out",
+                loop=loop,
+                admin_token=ADMIN,
+                settings=settings,
+                say=lambda _: None,
+            )
+        finally:
+            loop.run(running.stop())
+    assert report.on_policy
+    for figures in report.steps:
+        assert figures.sampled_tokens > 0
+        assert figures.versions == [figures.step]
+        assert figures.gap_r3 <= GAP_LIMIT  # a number: NaN would fail this
+    for batch in report.batches:
+        assert all(sample.routed_experts is not None for sample in batch.samples)
