@@ -19,7 +19,7 @@ typecheck:
 check: lint typecheck
 
 test: setup check
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=25 tests
 
 # The Harbor launcher tests, and an agent run through it end to end, against a real
 # `harbor view` (Harbor 0.24.0 on Python >= 3.12 in its own environment; ~9 min and

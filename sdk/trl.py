@@ -439,8 +439,10 @@ class RelayRollout:
             seconds=time.monotonic() - started,
             push=push,
         )
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        if self.agent_loop.config.routed_experts:
+        replay = self.agent_loop.config.routed_experts
+        if replay or self.measure_gap:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+        if replay:
             self.replay_batch(model, samples)
         if self.measure_gap:
             gap_started = time.monotonic()

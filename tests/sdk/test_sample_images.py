@@ -332,15 +332,17 @@ async def test_trl_refuses_an_episode_with_images(stand_in: StandIn, tmp_path: A
         rollout = RelayRollout(
             loop, client, RemoteAgentLoop(client, InProcessTaskServer(agent), config), tmp_path
         )
-        # The rollout blocks its caller (TRL's thread) while the stand-in answers here.
-        with pytest.raises(VisionRolloutError, match="cannot pass images"):
-            await asyncio.to_thread(rollout, ["task"], trainer)
-        text = trajectory()
-        del text["multi_modal_data"]
-        stand_in.export = export_of(text)
-        output = await asyncio.to_thread(rollout, ["task"], trainer)
-        assert output["completion_ids"] == [text["response_ids"]]
-        await asyncio.wrap_future(loop.submit(client.aclose()))
+        try:
+            # The rollout blocks its caller (TRL's thread) while the stand-in answers here.
+            with pytest.raises(VisionRolloutError, match="cannot pass images"):
+                await asyncio.to_thread(rollout, ["task"], trainer)
+            text = trajectory()
+            del text["multi_modal_data"]
+            stand_in.export = export_of(text)
+            output = await asyncio.to_thread(rollout, ["task"], trainer)
+            assert output["completion_ids"] == [text["response_ids"]]
+        finally:  # its sockets closed whatever failed
+            await asyncio.wrap_future(loop.submit(client.aclose()))
     (sample,) = build_samples(export_of(trajectory()))
     with pytest.raises(VisionRolloutError):
         rollout_output([sample])
