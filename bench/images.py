@@ -19,7 +19,6 @@ python -m bench.images --turns 20 --conversations 3 --out bench/IMAGES.md
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import functools
@@ -35,7 +34,8 @@ from typing import Any
 import aiohttp
 
 from bench.harness import wait_for_model
-from bench.processes import ADMIN_TOKEN, Proc, Processes, wait_http
+from bench.processes import Proc, Processes, wait_http
+from bench.standalone import new_session, parser, publish
 
 MODEL = "tiny-vlm"
 
@@ -68,11 +68,7 @@ async def conversation(
     http: aiohttp.ClientSession, proxy: Proc, turns: int, *, images: bool, seed: int
 ) -> list[dict[str, float]]:
     """One conversation; per turn the proxy's CPU seconds and the request's bytes."""
-    async with http.post(
-        f"{proxy.url}/sessions", json={}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    ) as response:
-        response.raise_for_status()
-        session = await response.json()
+    session = await new_session(http, proxy)
     headers = {"Authorization": f"Bearer {session['api_key']}"}
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You operate a computer."}]
     rows: list[dict[str, float]] = []
@@ -214,23 +210,11 @@ def report(results: dict[str, Any], turns: int, conversations: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.images", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--turns", type=int, default=20)
-    parser.add_argument("--conversations", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
-    parser.add_argument("--json", type=Path, default=None, help="write raw results here")
-    args = parser.parse_args(argv)
+    args = parser("python -m bench.images", __doc__ or "", turns=20).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-images-") as log_dir:
         results = asyncio.run(measure(args.turns, args.conversations, Path(log_dir)))
     results["conversion_ms"] = conversion_ms(args.turns)
-    text = report(results, args.turns, args.conversations)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    publish(report(results, args.turns, args.conversations), results, args)
     return 0
 
 

@@ -18,7 +18,6 @@ python -m bench.routing --turns 100 --conversations 3 --out bench/ROUTING.md
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shutil
@@ -32,6 +31,7 @@ import aiohttp
 
 from bench.harness import wait_for_model
 from bench.processes import ADMIN_TOKEN, Proc, Processes, wait_http
+from bench.standalone import new_session, parser, publish
 
 MODEL = "bench-moe"
 # Qwen3-30B-A3B's routing shape (its config.json): 48 layers, all MoE, 8 of 128 experts.
@@ -58,11 +58,7 @@ async def conversation(
 ) -> tuple[str, list[dict[str, float]]]:
     """One conversation; its trial id and, per turn, the proxy's CPU milliseconds."""
     body: dict[str, Any] = {"routed_experts": True} if routing else {}
-    async with http.post(
-        f"{proxy.url}/sessions", json=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    ) as response:
-        response.raise_for_status()
-        session = await response.json()
+    session = await new_session(http, proxy, body)
     headers = {"Authorization": f"Bearer {session['api_key']}"}
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You fix bugs."}]
     rows: list[dict[str, float]] = []
@@ -181,22 +177,10 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.routing", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--turns", type=int, default=100)
-    parser.add_argument("--conversations", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
-    parser.add_argument("--json", type=Path, default=None, help="write raw results here")
-    args = parser.parse_args(argv)
+    args = parser("python -m bench.routing", __doc__ or "", turns=100).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as log_dir:
         results = asyncio.run(measure(args.turns, args.conversations, Path(log_dir)))
-    text = report(results)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    publish(report(results), results, args)
     return 0
 
 

@@ -4,6 +4,7 @@ captured while it was generated."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -79,3 +80,18 @@ def two_turn_episode(
         "routed_experts": encode_routing(rows),
     }
     return {"trial_id": "moe", "reward": 1.0, "trajectories": [traj]}, rows
+
+
+def padded_batch(samples: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Samples as TRL lays a batch out: prompts left-padded, completions right-padded, one
+    attention mask; and the prompts' padded width."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)
+    response_width = max(len(s.response_ids) for s in samples)
+    ids = torch.zeros((len(samples), prompt_width + response_width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(samples):
+        start = prompt_width - len(s.prompt_ids)
+        ids[b, start:prompt_width] = torch.tensor(s.prompt_ids)
+        ids[b, prompt_width : prompt_width + len(s.response_ids)] = torch.tensor(s.response_ids)
+        mask[b, start : prompt_width + len(s.response_ids)] = 1
+    return ids, mask, prompt_width

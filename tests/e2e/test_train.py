@@ -10,7 +10,7 @@ import pytest
 
 from proxy.config import ProxyConfig
 from rollout_relay.embedded import RunningProxy, start_hf_worker, start_proxy
-from sdk.train import GAP_LIMIT, TrainSettings, train
+from sdk.train import GAP_LIMIT, TrainReport, TrainSettings, train
 from sdk.trl import BackgroundLoop, on_policy_gap
 from tests.e2e.conftest import TIMEOUT_FACTOR
 
@@ -21,33 +21,24 @@ WORKER = "worker-secret"
 STEPS = 3
 
 
-def test_a_short_training_run_is_on_policy_at_every_step(
-    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
-) -> None:
-    """Each step's batch is sampled by exactly the trainer's weights of that step (gap and
-    versions), and the pushed weights are not the ones the worker started with."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def _train(model_dir: Path, tmp_path: Path, settings: TrainSettings) -> TrainReport:
+    """``rollout-relay train`` against a real proxy and an hf worker on ``model_dir``."""
     config = ProxyConfig(
         port=0, admin_token=ADMIN, worker_token=WORKER, cache_dir=tmp_path / "proxy-cache"
     )
 
     async def start() -> RunningProxy:
         running = await start_proxy(config)
-        start_hf_worker(running, tiny_model_dir, worker_id="train-hf", token=WORKER)
+        start_hf_worker(running, model_dir, worker_id="train-hf", token=WORKER)
         await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
         return running
 
-    # Six episodes per group: a step whose groups all got one reward trains nothing, and
-    # that happening at every step before the last would leave the weights unchanged.
-    settings = TrainSettings(steps=STEPS, prompts_per_step=2, generations=6, learning_rate=5e-3)
     with BackgroundLoop() as loop:
         running = loop.run(start())
         try:
-            report = train(
+            return train(
                 running.url,
-                tiny_model_dir,
+                model_dir,
                 tmp_path / "out",
                 loop=loop,
                 admin_token=ADMIN,
@@ -56,6 +47,20 @@ def test_a_short_training_run_is_on_policy_at_every_step(
             )
         finally:
             loop.run(running.stop())
+
+
+def test_a_short_training_run_is_on_policy_at_every_step(
+    tiny_model_dir: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """Each step's batch is sampled by exactly the trainer's weights of that step (gap and
+    versions), and the pushed weights are not the ones the worker started with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # Six episodes per group: a step whose groups all got one reward trains nothing, and
+    # that happening at every step before the last would leave the weights unchanged.
+    settings = TrainSettings(steps=STEPS, prompts_per_step=2, generations=6, learning_rate=5e-3)
+    report = _train(tiny_model_dir, tmp_path, settings)
 
     assert [s.step for s in report.steps] == list(range(STEPS))
     for figures in report.steps:
@@ -83,33 +88,10 @@ def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_threa
     experts (the replayed gap is measured, not skipped)."""
     from worker_client.tiny_moe import SHIPPED_TINY_MOE
 
-    config = ProxyConfig(
-        port=0, admin_token=ADMIN, worker_token=WORKER, cache_dir=tmp_path / "proxy-cache"
-    )
-
-    async def start() -> RunningProxy:
-        running = await start_proxy(config)
-        start_hf_worker(running, SHIPPED_TINY_MOE, worker_id="train-moe", token=WORKER)
-        await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
-        return running
-
     settings = TrainSettings(
         steps=2, prompts_per_step=2, generations=4, learning_rate=5e-3, routed_experts=True
     )
-    with BackgroundLoop() as loop:
-        running = loop.run(start())
-        try:
-            report = train(
-                running.url,
-                SHIPPED_TINY_MOE,
-                tmp_path / "out",
-                loop=loop,
-                admin_token=ADMIN,
-                settings=settings,
-                say=lambda _: None,
-            )
-        finally:
-            loop.run(running.stop())
+    report = _train(SHIPPED_TINY_MOE, tmp_path, settings)
     assert report.on_policy
     for figures in report.steps:
         assert figures.sampled_tokens > 0

@@ -15,7 +15,7 @@ from sdk.exceptions import RoutingReplayError
 from sdk.fidelity import check_fidelity, check_samples
 from sdk.routing import BatchReplay, ReplayScorer
 from sdk.samples import Sample, build_samples, encode_routing
-from tests.moe import two_turn_episode
+from tests.moe import padded_batch, two_turn_episode
 from worker_client.tiny_moe import EXPERTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -63,22 +63,8 @@ def test_a_scorer_that_cannot_replay_is_not_used_silently(
         check_samples(samples, text_only)
 
 
-def _padded_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """TRL's layout: prompts left-padded, completions right-padded, one mask."""
-    prompt_width = max(len(s.prompt_ids) for s in samples)
-    response_width = max(len(s.response_ids) for s in samples)
-    ids = torch.zeros((len(samples), prompt_width + response_width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(samples):
-        start = prompt_width - len(s.prompt_ids)
-        ids[b, start:prompt_width] = torch.tensor(s.prompt_ids)
-        ids[b, prompt_width : prompt_width + len(s.response_ids)] = torch.tensor(s.response_ids)
-        mask[b, start : prompt_width + len(s.response_ids)] = 1
-    return ids, mask, prompt_width
-
-
 def _batch_logprobs(model: Any, samples: list[Sample], **forward: Any) -> list[list[float]]:
-    ids, mask, width = _padded_batch(samples)
+    ids, mask, width = padded_batch(samples)
     logits = model(input_ids=ids, attention_mask=mask, **forward).logits.float()
     scores = logits[:, width - 1 : -1].log_softmax(-1)
     picked = scores.gather(-1, ids[:, width:, None])[..., 0]
@@ -140,7 +126,7 @@ def test_batch_replay_survives_gradient_checkpointing(
         with BatchReplay(tiny_moe) as replay:
             replay.add([*whole.prompt_ids, *whole.response_ids], whole.routed_experts)
             scored = _batch_logprobs(tiny_moe, [whole])
-            ids, mask, _ = _padded_batch([whole])
+            ids, mask, _ = padded_batch([whole])
             tiny_moe(input_ids=ids, attention_mask=mask).logits.logsumexp(-1).sum().backward()
         assert _gap([whole], scored) < 1e-4
         assert gate.grad is not None

@@ -23,7 +23,7 @@ from trl.trainer.utils import add_fused_lm_head
 from sdk.exceptions import RoutingReplayError
 from sdk.samples import BranchPolicy, Sample, build_samples
 from sdk.trl import RelayRollout, RolloutBatch
-from tests.moe import chat_prompt, load_moe, two_turn_episode
+from tests.moe import chat_prompt, load_moe, padded_batch, two_turn_episode
 from worker_client.tiny_moe import EXPERTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,17 +38,9 @@ def _rollout() -> RelayRollout:
 
 
 def _trl_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """TRL's layout: prompts left-padded, completions right-padded."""
-    prompt_width = max(len(s.prompt_ids) for s in samples)
-    width = max(len(s.response_ids) for s in samples)
-    ids = torch.zeros((len(samples), prompt_width + width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(samples):
-        start = prompt_width - len(s.prompt_ids)
-        ids[b, start:prompt_width] = torch.tensor(s.prompt_ids)
-        ids[b, prompt_width : prompt_width + len(s.response_ids)] = torch.tensor(s.response_ids)
-        mask[b, start : prompt_width + len(s.response_ids)] = 1
-    return ids, mask, width
+    """TRL's layout, and the completions' padded width."""
+    ids, mask, prompt_width = padded_batch(samples)
+    return ids, mask, ids.shape[1] - prompt_width
 
 
 def _trl_logprobs(model: Any, samples: list[Sample], chunk: int) -> torch.Tensor:
