@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from transformers import AutoTokenizer
 
 from relay import protocol
@@ -32,8 +32,6 @@ from tests.scripted_policy import ScriptedEngine
 from worker_client.backends.hf import HFEngine
 from worker_client.client import ServedModel, WorkerClient
 from worker_client.engine import FinishReason, ImageSpan, SamplingParams, TokenChunk
-from worker_client.exceptions import EngineError
-from worker_client.outbox import Outbox
 
 # Seconds between two tokens: enough that each engine step leaves as a frame of its own.
 STEP_SECONDS = 0.002
@@ -138,76 +136,59 @@ def routing_rows(ids: Sequence[int], start: int, end: int) -> bytes:
     return b"".join(routing_row(p, ids[p]) for p in range(start, end))
 
 
-class RoutingWorkerClient(WorkerClient):
-    """A worker whose (scripted) engines report routing, as a mixture-of-experts engine
-    would: the hello announces ``ROUTING`` and each Done brings the rows asked for
+class RoutingEngine:
+    """A scripted engine served as a mixture-of-experts engine that reports routing: its
+    card announces ``ROUTING`` and a request that asks ends with the rows asked for
     (``routing_row`` of every position run forward from the one asked). ``early`` rows
     more than asked (an engine may start earlier), ``short`` fewer at the end (an engine
     that gave fewer); ``asked`` records (asked from, rows start, rows) per request."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._hello_models = [
-            msgspec.structs.replace(info, routing=ROUTING) for info in self._hello_models
-        ]
+    def __init__(self, inner: PacedScriptedEngine) -> None:
+        self.inner = inner
+        self.card = dataclasses.replace(inner.card, routing=ROUTING)
         self.early = 0
         self.short = 0
         self.asked: list[tuple[int | None, int, int]] = []
 
-    async def _generate(
+    def __getattr__(self, name: str) -> Any:  # abort, close, load_weights, ... as the inner
+        return getattr(self.inner, name)
+
+    async def generate(
         self,
-        outbox: Outbox,
-        served: ServedModel,
-        rid: str,
-        prompt: Sequence[int],
+        request_id: str,
+        prompt_ids: Sequence[int],
         sampling: SamplingParams,
         images: Sequence[ImageSpan] = (),
         routed_experts_from: int | None = None,
-    ) -> None:
-        ids = list(prompt)
-        stream = served.engine.generate(rid, prompt, sampling, images)  # a scripted engine
+    ) -> AsyncGenerator[TokenChunk, None]:
+        ids = list(prompt_ids)
+        stream = self.inner.generate(request_id, prompt_ids, sampling, images)
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
-                if chunk.finish_reason is None:
-                    outbox.tokens(rid, chunk.token_ids, chunk.logprobs)
+                if chunk.finish_reason is None or routed_experts_from is None:
+                    if chunk.finish_reason is not None:
+                        self.asked.append((None, 0, 0))
+                    yield chunk
                     continue
-                asked = routed_experts_from
-                routed = None
-                if asked is not None:
-                    start = max(0, asked - self.early)
-                    end = max(start, len(ids) - 1 - self.short)
-                    routed = protocol.RoutedExperts(
-                        start, end - start, routing_rows(ids, start, end)
-                    )
-                    self.asked.append((asked, start, end - start))
-                else:
-                    self.asked.append((None, 0, 0))
-                outbox.finish(
-                    protocol.Done(
-                        rid,
-                        chunk.finish_reason.value,
-                        protocol.pack_ids(chunk.token_ids),
-                        protocol.pack_logprobs(chunk.logprobs),
-                        dict(chunk.extra),
-                        routed_experts=routed,
-                    )
-                )
-                return
-        raise EngineError("engine stream ended without a finish reason")
+                start = max(0, routed_experts_from - self.early)
+                end = max(start, len(ids) - 1 - self.short)
+                self.asked.append((routed_experts_from, start, end - start))
+                rows = protocol.RoutedExperts(start, end - start, routing_rows(ids, start, end))
+                yield dataclasses.replace(chunk, routed_experts=rows)
 
 
 def serve_routing(
     running: RunningProxy, model_dir: Path, worker_id: str
-) -> tuple[PacedScriptedEngine, RoutingWorkerClient]:
+) -> tuple[PacedScriptedEngine, RoutingEngine]:
     """A scripted engine on the tiny model served as a mixture-of-experts model that
-    reports routing (``RoutingWorkerClient``)."""
+    reports routing (``RoutingEngine``)."""
     engine = scripted_engine(model_dir)
-    client = RoutingWorkerClient(
-        running.worker_url, {engine.card.name: ServedModel(engine, model_dir)}, worker_id=worker_id
-    )
+    routing = RoutingEngine(engine)
+    served = {routing.card.name: ServedModel(routing, model_dir)}
+    client = WorkerClient(running.worker_url, served, worker_id=worker_id)
     running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
-    return engine, client
+    return engine, routing
 
 
 async def _serve(proxy_url: str, model_dir: Path, worker_id: str, delay: float) -> None:

@@ -1,6 +1,6 @@
 """Routing rows (R3) end to end: a real proxy and worker client whose scripted engine
 reports routing as a mixture-of-experts engine would (``tests.scripted_worker``
-``RoutingWorkerClient``: every row a function of its position and token). Off unless a
+``RoutingEngine``: every row a function of its position and token). Off unless a
 session asks; asked, each turn asks only for the rows past its chain's and the export's
 rows are exactly those of every position but the last; rows that never came are named; a
 model without routing is refused at creation, or at the first request in the caller's
@@ -23,7 +23,7 @@ from tests.e2e.conftest import IN_PROCESS_STREAMS, TIMEOUT_FACTOR
 from tests.scripted_worker import (
     LONG_STORY,
     PacedScriptedEngine,
-    RoutingWorkerClient,
+    RoutingEngine,
     routing_rows,
     serve_routing,
     serve_scripted,
@@ -44,7 +44,7 @@ def _config(tmp: Path, wait: float = 5) -> ProxyConfig:
 @pytest.fixture(scope="module")
 async def moe_stack(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient]]:
+) -> AsyncIterator[tuple[RunningProxy, PacedScriptedEngine, RoutingEngine]]:
     running = await start_proxy(_config(tmp_path_factory.mktemp("moe-cache")))
     engine, client = serve_routing(running, tiny_model_dir, "test-moe")
     await running.wait_for_workers(within_seconds=60 * TIMEOUT_FACTOR)
@@ -54,8 +54,8 @@ async def moe_stack(
 
 @pytest.fixture
 def moe(
-    moe_stack: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
-) -> tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient]:
+    moe_stack: tuple[RunningProxy, PacedScriptedEngine, RoutingEngine],
+) -> tuple[RunningProxy, PacedScriptedEngine, RoutingEngine]:
     _, engine, client = moe_stack
     engine.reset()
     client.asked.clear()
@@ -95,7 +95,7 @@ def _check_rows(traj: dict[str, Any]) -> None:
 
 
 async def test_rows_over_a_chain_and_a_branch_are_asked_once_and_exact(
-    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
+    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingEngine],
 ) -> None:
     """A root asks from 0, its continuation from the root's end - 1 and gets only the rows
     past it (even from an engine that gives some earlier ones too), a branch from the root
@@ -135,7 +135,7 @@ async def test_rows_over_a_chain_and_a_branch_are_asked_once_and_exact(
 
 
 async def test_nothing_is_asked_or_exported_unless_the_session_asks(
-    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
+    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingEngine],
 ) -> None:
     running, engine, client = moe
     engine.script(tiny_reply("Fine."))
@@ -149,7 +149,7 @@ async def test_nothing_is_asked_or_exported_unless_the_session_asks(
 
 
 async def test_rows_an_engine_did_not_give_are_missing_and_the_turn_marked(
-    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
+    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingEngine],
 ) -> None:
     running, engine, client = moe
     engine.script(tiny_reply("Short rows."))
@@ -250,7 +250,7 @@ async def test_a_worker_lost_mid_turn_leaves_the_turn_without_its_rows(
 
 
 async def test_a_replayed_retry_asks_and_records_no_rows(
-    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingWorkerClient],
+    moe: tuple[RunningProxy, PacedScriptedEngine, RoutingEngine],
 ) -> None:
     """A retry answered with the recorded reply runs nothing: no rows are asked, and the
     session's rows are the first attempt's."""
