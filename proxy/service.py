@@ -857,7 +857,7 @@ async def _ended_by_stop(call: RelayCall, decoding: _Decoding) -> FinishedEvent 
     """Where a stop string matched, the reply ends: the worker is stopped."""
     if decoding.stopper.hit is None:
         return None
-    await call.cancel()
+    await call.cancel(keep_rows=True)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(_ROWS_AFTER_STOP_SECONDS):
             await call.rows_after_cancel()

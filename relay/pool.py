@@ -634,17 +634,23 @@ class RelayCall:
             if isinstance(event, FinishedEvent):
                 return
 
-    async def cancel(self) -> None:
-        """Abort the request (idempotent; no-op once finished)."""
-        await self.pool.cancel(self)
+    async def cancel(self, *, keep_rows: bool = False) -> None:
+        """Abort the request (idempotent; no-op once finished). ``keep_rows``: the caller
+        will wait for the routing rows its worker's last frame brings
+        (``rows_after_cancel``)."""
+        await self.pool.cancel(self, keep_rows=keep_rows)
 
     async def rows_after_cancel(self) -> None:
         """After ``cancel``: wait for the rows the worker's last frame brings (the caller
         bounds the wait). A reply ended by the proxy (a stop string) was sampled by the
         engine up to there; its routing comes only with the worker's Done."""
         event = self._closed_rows
-        if event is not None:
+        if event is None:
+            return
+        try:
             await event.wait()
+        finally:  # waited enough, or the rows came: the pool forgets the call either way
+            self.pool._closing.pop(self.request_id, None)
 
     def take_waiting(self) -> TokensEvent | None:
         """The tokens that arrived but were not taken by the consumer (held for a sink,
@@ -1034,7 +1040,7 @@ class WorkerPool:
     def forget_affinity(self, key: str) -> None:
         self._affinity.pop(key, None)
 
-    async def cancel(self, call: RelayCall) -> None:
+    async def cancel(self, call: RelayCall, *, keep_rows: bool = False) -> None:
         if call.state in _TERMINAL:
             return
         handle = self.workers.get(call.worker_id) if call.worker_id else None
@@ -1048,7 +1054,7 @@ class WorkerPool:
             handle.in_flight.discard(call.request_id)
             frame = handle.endpoint.cancel(call.request_id)
             if frame is not None:
-                if call.routed is not None:  # its Done will still bring the rows
+                if keep_rows and call.routed is not None:  # its Done brings the rows
                     call._closed_rows = asyncio.Event()
                     self._closing[call.request_id] = call
                 with contextlib.suppress(ConnectionError, RuntimeError):

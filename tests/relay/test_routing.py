@@ -158,3 +158,32 @@ def test_rows_that_do_not_fit_are_dropped_and_a_gap_is_missing() -> None:
     assert gathered.add(protocol.RoutedExperts(4, 2, rows(4, 6)), SHAPE, 0) == 2
     assert gathered.missing == [(2, 4)]
     assert bytes(gathered.data) == bytes(2 * SHAPE.row_bytes) + rows(4, 6)
+
+
+async def test_a_call_stopped_by_the_proxy_keeps_the_rows_of_its_last_frame() -> None:
+    """Cancelled to keep its rows (a stop string matched), a call takes the rows of the
+    Done that follows the cancel; cancelled otherwise (its client left) it waits for
+    nothing, and the pool holds no reference to it either way."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, _ = await _add(pool, "w")
+    stopped = await pool.start(
+        "moe", [1, 2, 3], protocol.Sampling(max_tokens=8), routed_experts_from=0
+    )
+    await stopped.cancel(keep_rows=True)
+    await pool.handle_message(handle, _frame(_done(stopped.request_id, [4, 5], 0, 4), handle))
+    await stopped.rows_after_cancel()
+    assert stopped.routed is not None
+    assert (stopped.routed.end, bytes(stopped.routed.data)) == (4, rows(0, 4))
+    left = await pool.start(
+        "moe", [1, 2, 3], protocol.Sampling(max_tokens=8), routed_experts_from=0
+    )
+    await left.cancel()
+    await left.rows_after_cancel()  # returns at once: nobody waits for its rows
+    assert pool._closing == {}
+    waiting = await pool.start(
+        "moe", [1, 2, 3], protocol.Sampling(max_tokens=8), routed_experts_from=0
+    )
+    await waiting.cancel(keep_rows=True)
+    await pool.remove_worker(handle, "gone")  # the rows will never come
+    await waiting.rows_after_cancel()
+    assert pool._closing == {}
