@@ -162,7 +162,7 @@ class RoutingEngine:
         routed_experts_from: int | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         ids = list(prompt_ids)
-        stream = self.inner.generate(request_id, prompt_ids, sampling, images)
+        stream = self.inner.generate(request_id, prompt_ids, sampling)  # takes no images
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
