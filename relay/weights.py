@@ -19,7 +19,9 @@ of its own, which the caller awaits through ``asyncio.shield``, so a trainer tha
 ends committed or rolled back whoever waits for it, and its cleanup (the rollback, workers
 serving again) runs where cancellation cannot skip it. The same update asked again
 (version and path; ``admit``) waits for the running one, or gets the answer of the last
-finished one, so a trainer may retry a dropped request safely. At most
+finished one, so a trainer may retry a dropped request safely; one asking for exactly the
+version and checkpoint the pool serves (it committed before the proxy restarted, or through
+another replica) is answered as a success. At most
 ``3 * phase_seconds`` pass once the update runs (pause, load, then commit or rollback,
 each bounded), after any catching up of joining workers that was running when it came.
 
@@ -35,7 +37,9 @@ lets running requests finish on the old weights first (no reply spans two versio
 serve (one reply, two versions). A worker that leaves during an update is no longer part
 of it (it rolls back on its side when its connection ends); when it comes back, or when
 any worker joins behind the pool's version, it loads the current weights before it serves
-anything (``WeightSync`` is the pool's ``on_behind``). A worker that cannot be brought up
+anything (``WeightSync`` is the pool's ``on_behind``). A version stamped without a
+checkpoint cannot be loaded: a worker behind it waits, serving nothing, until it reports
+that version itself (the trainer syncs its engines). A worker that cannot be brought up
 to the current version, or does not answer a rollback, is taken out of service: never
 left serving other weights under the new version number, nor paused.
 """
@@ -115,24 +119,34 @@ class Admission(enum.Enum):
     START = "start"  # a new update: run it
     JOIN = "join"  # the same update runs: wait for its outcome
     REPLAY = "replay"  # the same update finished last: answer its outcome again
+    SERVED = "served"  # what it asks is served already: answer as a success
 
 
 def admit(
-    current: int, asked: UpdateKey, running: UpdateKey | None, last: UpdateKey | None
+    served: UpdateKey, asked: UpdateKey, running: UpdateKey | None, last: UpdateKey | None
 ) -> Admission:
     """What to do with an update request, before anything is asked of a worker: join or
     replay the same update (a trainer's retry), or refuse a version that is not newer and
-    a second update while one runs (retryable: it may start once that one is done)."""
+    a second update while one runs (retryable: it may start once that one is done).
+
+    ``served`` is the pool's version and the checkpoint that holds it (None: stamped
+    without one). Asking for exactly that is a retry of an update that committed but
+    whose answer was lost, here before this proxy restarted or through another replica
+    (the workers brought the version here): it succeeds, as its first answer would have.
+    """
     if running == asked:
         return Admission.JOIN
     if last == asked:
         return Admission.REPLAY
+    if served == asked:
+        return Admission.SERVED
     if running is not None:
         raise UpdateRefusedError(
             "update_in_progress",
             f"weights version {running[0]} is being loaded; try again when it is done",
             retryable=True,
         )
+    current = served[0]
     if asked[0] <= current:
         raise UpdateRefusedError(
             "version_not_newer",
@@ -196,6 +210,9 @@ class WeightSync:
         self._last: Outcome | None = None  # the last update that finished
         self._lock = asyncio.Lock()  # one update, or one worker's catching up, at a time
         self._background: set[asyncio.Task[None]] = set()
+        # The pool's version when an update of this proxy stamped it without a checkpoint
+        # (the trainer changed the engines itself): no checkpoint holds its weights.
+        self._stamped: int | None = None
         pool.on_behind = self._behind
 
     def __repr__(self) -> str:
@@ -227,6 +244,14 @@ class WeightSync:
             ],
         }
 
+    def _checkpoint(self) -> str | None:
+        """The checkpoint that holds the weights of the pool's version; None when none
+        does: the version was stamped without one (here, or by whoever the workers heard
+        it from), or it is the weights the workers started with."""
+        if self._stamped == self.pool.version:
+            return None
+        return self.pool.weights_path
+
     # ------------------------------------------------------------------ an update
 
     async def update(
@@ -243,7 +268,7 @@ class WeightSync:
         running = self.current
         last = self._last
         admission = admit(
-            self.pool.version,
+            (self.pool.version, self._checkpoint()),
             (version, path),
             running.key if running is not None else None,
             last.key if last is not None else None,
@@ -254,6 +279,8 @@ class WeightSync:
         if admission is Admission.REPLAY:
             assert last is not None
             return last.answer()
+        if admission is Admission.SERVED:
+            return self.report()
         old = [h for h in self.pool.workers.values() if not h.endpoint.can_update]
         if old:
             raise UpdateRefusedError(
@@ -401,6 +428,7 @@ class WeightSync:
             # unless a newer one was adopted meanwhile.
             if update.version > self.pool.version:
                 self.pool.version, self.pool.weights_path = update.version, path
+                self._stamped = update.version if update.path is None else None
             update.advance(UpdateState.COMMITTED)
             self.pool.stats.updates_committed += 1
         else:
@@ -490,33 +518,63 @@ class WeightSync:
         async with self._lock:
             if self.pool.workers.get(handle.worker_id) is not handle:
                 return
-            target, path = self.pool.version, self.pool.weights_path
+            target, path = self.pool.version, self._checkpoint()
             if handle.version >= target:
                 self.pool.serve(handle)
                 return
-            if not handle.endpoint.can_update:
-                await self._out_of_service(
-                    handle, f"it serves version {handle.version} and cannot load {target}"
-                )
+            if path is not None:
+                await self._load_checkpoint(handle, target, path)
                 return
-            update_id = f"wu-{secrets.token_hex(6)}"
-            pause = protocol.Pause(update_id)
-            answer = (await self._phase([handle], pause, protocol.UpdatePhase.PAUSED)).get(
-                handle.worker_id
+        # No checkpoint holds the target: loading nothing and committing would call the
+        # weights the worker has by the new number. Only whoever stamped the version can
+        # bring the worker to it (a Ray group's resume); waited for without the lock, so
+        # that updates go on meanwhile.
+        await self._await_stamp(handle, target)
+
+    async def _load_checkpoint(self, handle: WorkerHandle, target: int, path: str) -> None:
+        """Catching up a worker by loading ``path``, which holds version ``target``."""
+        if not handle.endpoint.can_update:
+            await self._out_of_service(
+                handle, f"it serves version {handle.version} and cannot load {target}"
             )
-            if answer is None:
-                return  # it left
-            if not (isinstance(answer, protocol.UpdateAck) and answer.ok):
-                if await self._reaches(handle, target):
-                    # Paused by another replica's update of the same weights.
-                    self.pool.serve(handle)
-                else:
-                    await self._out_of_service(
-                        handle, f"could not load weights version {target}: {_reason(answer)}"
-                    )
+            return
+        update_id = f"wu-{secrets.token_hex(6)}"
+        pause = protocol.Pause(update_id)
+        answer = (await self._phase([handle], pause, protocol.UpdatePhase.PAUSED)).get(
+            handle.worker_id
+        )
+        if answer is None:
+            return  # it left
+        if not (isinstance(answer, protocol.UpdateAck) and answer.ok):
+            if await self._reaches(handle, target):
+                # Paused by another replica's update of the same weights.
+                self.pool.serve(handle)
+            else:
+                await self._out_of_service(
+                    handle, f"could not load weights version {target}: {_reason(answer)}"
+                )
+            return
+        # Paused: from here on it is resumed whatever happens, cancellation included.
+        await finish_anyway(self._load_paused(handle, update_id, answer.version, target, path))
+
+    async def _await_stamp(self, handle: WorkerHandle, target: int) -> None:
+        """A worker behind a version that no checkpoint holds serves nothing until it
+        reports that version itself, within a phase's time; otherwise it is taken out of
+        service, never served under a number that does not describe its weights."""
+        if await self._reaches(handle, target):
+            if self.pool.workers.get(handle.worker_id) is not handle:
                 return
-            # Paused: from here on it is resumed whatever happens, cancellation included.
-            await finish_anyway(self._load_paused(handle, update_id, answer.version, target, path))
+            if handle.version < self.pool.version:
+                self._behind(handle)  # the pool moved on meanwhile
+            else:
+                self.pool.serve(handle)
+            return
+        if self.pool.workers.get(handle.worker_id) is handle:
+            await self._out_of_service(
+                handle,
+                f"it serves version {handle.version}; version {target} was stamped without "
+                "a checkpoint, so it cannot be loaded here",
+            )
 
     async def _load_paused(
         self, handle: WorkerHandle, update_id: str, serves: int, target: int, path: str | None

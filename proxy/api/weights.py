@@ -10,7 +10,8 @@ messages (``relay.weights``); the weights never pass the proxy.
 
 The update belongs to the proxy: a trainer that hangs up does not stop it, and asking for
 the same update again (version and path) waits for it or gets the answer of the last one
-that finished. What an error means for the trainer (``x-should-retry`` says it too):
+that finished; asking for exactly the version and checkpoint served already (an update that
+committed before a restart, or through another replica) is answered as a success. What an error means for the trainer (``x-should-retry`` says it too):
 
 ====  ======================  ==============================================================
 503   update_in_progress      another update runs: retry after ``Retry-After``

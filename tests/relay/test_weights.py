@@ -176,21 +176,37 @@ def test_admit_joins_retries_and_refuses_old_versions_and_concurrent_updates() -
     """The same update (version and path) joins the running one or replays the last
     finished one; otherwise an update must name a newer version than the pool's, and
     only one runs at a time."""
-    assert admit(3, (4, "/a"), None, None) is Admission.START
+    assert admit((3, "/c"), (4, "/a"), None, None) is Admission.START
     for version in (3, 2):
         with pytest.raises(UpdateRefusedError) as refused:
-            admit(3, (version, "/a"), None, None)
+            admit((3, "/c"), (version, "/a"), None, None)
         assert refused.value.code == "version_not_newer"
         assert not refused.value.retryable
     with pytest.raises(UpdateRefusedError) as busy:
-        admit(3, (5, "/b"), (4, "/a"), None)
+        admit((3, "/c"), (5, "/b"), (4, "/a"), None)
     assert busy.value.code == "update_in_progress"
     assert busy.value.retryable
-    assert admit(3, (4, "/a"), (4, "/a"), None) is Admission.JOIN
-    assert admit(4, (4, "/a"), None, (4, "/a")) is Admission.REPLAY
-    assert admit(4, (4, "/a"), (5, "/b"), (4, "/a")) is Admission.REPLAY
+    assert admit((3, "/c"), (4, "/a"), (4, "/a"), None) is Admission.JOIN
+    assert admit((4, "/a"), (4, "/a"), None, (4, "/a")) is Admission.REPLAY
+    assert admit((4, "/a"), (4, "/a"), (5, "/b"), (4, "/a")) is Admission.REPLAY
     with pytest.raises(UpdateRefusedError):  # the same version from another path is new
-        admit(4, (4, "/other"), None, (4, "/a"))
+        admit((4, "/a"), (4, "/other"), None, (4, "/a"))
+
+
+def test_admit_answers_an_update_that_is_served_already_as_a_success() -> None:
+    """Exactly the version and checkpoint served (a retry whose update committed before a
+    restart, or through another replica) is served already, even while another update
+    runs; the same version from another checkpoint, or stamped where a checkpoint holds
+    it, is still refused."""
+    assert admit((4, "/a"), (4, "/a"), None, None) is Admission.SERVED
+    assert admit((4, None), (4, None), None, None) is Admission.SERVED
+    assert admit((4, "/a"), (4, "/a"), (5, "/b"), None) is Admission.SERVED
+    for asked in ((4, "/b"), (4, None)):
+        with pytest.raises(UpdateRefusedError) as refused:
+            admit((4, "/a"), asked, None, None)
+        assert refused.value.code == "version_not_newer"
+    with pytest.raises(UpdateRefusedError):
+        admit((4, None), (4, "/a"), None, None)
 
 
 def test_an_update_advances_only_along_its_state_machine() -> None:
@@ -515,6 +531,68 @@ async def test_a_worker_joining_during_an_update_serves_only_after_loading_it() 
     assert link_late.phases()[:3] == ["Pause", "Load(1, /ckpt/1)", "Commit"]
     call = await asyncio.wait_for(request, 5)
     assert call.segments == [(0, 1)]
+
+
+async def test_a_worker_behind_a_stamped_version_is_not_stamped_on_old_weights() -> None:
+    """After a stamp-only update, a worker joining behind is not given the last checkpoint
+    under the stamped number (that checkpoint holds an older version): it serves nothing
+    until it reports the stamped version itself (its trainer's own sync), then serves."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=5)
+    await _add(pool, "a")
+    await sync.update(1, "/ckpt/1")
+    await sync.update(2)
+    late, link = await _add(pool, "late", version=1, path="/ckpt/1")
+    assert late.state is WorkerState.JOINING
+    await asyncio.sleep(0.1)
+    assert (link.phases(), late.version, late.state) == ([], 1, WorkerState.JOINING)
+    notice = late.endpoint.receive(protocol.encode(protocol.Weights(2, "/ckpt/1")))
+    await pool.handle_message(late, notice)
+    await _until(lambda: late.state is WorkerState.SERVING, "the late worker serves")
+    assert (link.phases(), late.version) == ([], 2)
+
+
+@pytest.mark.parametrize("checkpoint", ["/ckpt/1", None])
+async def test_a_worker_that_never_reaches_a_stamped_version_is_taken_out_of_service(
+    checkpoint: str | None,
+) -> None:
+    """A worker behind a version stamped without a checkpoint (here, or adopted from
+    workers that report none) that does not reach it within a phase is closed and
+    removed, never stamped with a version its weights are not."""
+    pool = WorkerPool(wait_seconds=1)
+    sync = WeightSync(pool, phase_seconds=0.2)
+    await _add(pool, "a")
+    if checkpoint is None:
+        await _add(pool, "b", version=2)  # adopted: stamped elsewhere
+    else:
+        await sync.update(1, checkpoint)
+        await sync.update(2)
+    late, link = await _add(pool, "late")
+    await _until(lambda: "late" not in pool.workers, "the late worker was removed")
+    assert "Load" not in " ".join(link.phases())
+    assert (late.version, late.state, link.closed) == (0, WorkerState.OUT_OF_SERVICE, True)
+
+
+async def test_a_retry_of_a_committed_update_succeeds_after_a_restart_or_elsewhere() -> None:
+    """An update that committed, retried on a proxy that did not run it (restarted, or
+    another replica: its workers brought the version), answers as a success without
+    asking any worker anything; another checkpoint under that version is still refused."""
+    restarted = WorkerPool(wait_seconds=1)
+    sync = WeightSync(restarted, phase_seconds=5)
+    _, link = await _add(restarted, "a", version=3, path="/ckpt/3")
+    report = await sync.update(3, "/ckpt/3")
+    assert (report["version"], report["path"], link.sent) == (3, "/ckpt/3", [])
+
+    replica = WorkerPool(wait_seconds=1)
+    sync = WeightSync(replica, phase_seconds=5)
+    a, link = await _add(replica, "a", version=2, path="/ckpt/2")
+    notice = a.endpoint.receive(protocol.encode(protocol.Weights(3, "/ckpt/3")))
+    await replica.handle_message(a, notice)
+    assert (await sync.update(3, "/ckpt/3"))["version"] == 3
+    with pytest.raises(UpdateRefusedError) as other:
+        await sync.update(3, "/ckpt/other")
+    assert other.value.code == "version_not_newer"
+    assert link.sent == []
 
 
 # --------------------------------------------------------------------------- ownership
