@@ -82,3 +82,10 @@ class ImageLedger:
             self._held[sha] = sizes[sha]
             self.held_bytes += sizes[sha]
         return ImagePlan(drop, send)
+
+    def forget(self, sha256s: Sequence[str]) -> None:
+        """The worker no longer holds these images (it said it lacks one of them)."""
+        for sha in sha256s:
+            size = self._held.pop(sha, None)
+            if size is not None:
+                self.held_bytes -= size

@@ -37,9 +37,9 @@ import logging
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, NewType, Protocol, TypeVar
+from typing import Any, Generic, NewType, Protocol, TypeVar
 
 import msgspec
 
@@ -857,9 +857,7 @@ class WorkerPool:
                 lost_on,
                 len(call.received),
             )
-            task = asyncio.get_running_loop().create_task(self._redispatch(call))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._redispatch(call))
         await self._notify()
 
     async def _notify(self) -> None:
@@ -921,18 +919,8 @@ class WorkerPool:
                 raise RequestCancelledError(call.request_id)
             handle = await self._acquire(call, deadline, front=front)
             front = True  # a retry after a failed send keeps its place in line
-            if call.cancelled:  # cancelled between reserving the slot and sending
-                handle.in_flight.discard(call.request_id)
-                self._pump()
-                raise RequestCancelledError(call.request_id)
             try:
-                if call.images:
-                    async with handle.image_lock:
-                        for frame in call.image_frames(handle):
-                            await handle.link.send(frame)
-                        await handle.link.send(handle.endpoint.generate(call.generate_message()))
-                else:
-                    await handle.link.send(handle.endpoint.generate(call.generate_message()))
+                await self._send_request(handle, call)
             except (ConnectionError, ProtocolError, RuntimeError) as exc:
                 handle.in_flight.discard(call.request_id)
                 call.state = RequestState.QUEUED
@@ -942,6 +930,76 @@ class WorkerPool:
             if call.affinity is not None:
                 self._remember(call.affinity, handle.worker_id)
             return
+
+    async def _send_request(self, handle: WorkerHandle, call: RelayCall) -> None:
+        """Send ``call`` to the worker whose slot it holds: its drops and images, then its
+        Generate, under the worker's image lock when it has images.
+
+        A caller that leaves while waiting for the lock gives the slot back and sends
+        nothing. Once the frames start, they go out whole whoever leaves: a frame cut short
+        would leave the worker without an image its ledger says it holds (the next request
+        with it would name an image the worker never got), or running a request no slot
+        counts. A caller that left meanwhile has the request cancelled on the worker once
+        it is sent."""
+        lock = handle.image_lock if call.images else None
+        if lock is not None:
+            try:
+                await lock.acquire()
+            except asyncio.CancelledError:
+                self._give_back(handle, call)
+                raise
+        if call.cancelled:  # cancelled between reserving the slot and sending
+            if lock is not None:
+                lock.release()
+            self._give_back(handle, call)
+            raise RequestCancelledError(call.request_id)
+        sending = asyncio.get_running_loop().create_task(self._write_request(handle, call, lock))
+        try:
+            await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            self._spawn(self._cancel_once_sent(handle, call, sending))
+            raise
+
+    async def _write_request(
+        self, handle: WorkerHandle, call: RelayCall, lock: asyncio.Lock | None
+    ) -> None:
+        try:
+            if call.images:
+                for frame in call.image_frames(handle):
+                    await handle.link.send(frame)
+            await handle.link.send(handle.endpoint.generate(call.generate_message()))
+        finally:
+            if lock is not None:
+                lock.release()
+        if call.cancelled:  # cancelled while its frames went out: the worker hears of it
+            cancel = handle.endpoint.cancel(call.request_id)
+            if cancel is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await handle.link.send(cancel)
+
+    async def _cancel_once_sent(
+        self, handle: WorkerHandle, call: RelayCall, sending: asyncio.Task[None]
+    ) -> None:
+        """The caller left while ``call`` was being sent: once it is, cancel it on the
+        worker (freeing its slot); a send that failed ends the worker, as in dispatch."""
+        try:
+            await sending
+        except (ConnectionError, ProtocolError, RuntimeError) as exc:
+            handle.in_flight.discard(call.request_id)
+            await self.remove_worker(handle, reason=f"send failed: {exc}")
+            return
+        await self.cancel(call)
+
+    def _give_back(self, handle: WorkerHandle, call: RelayCall) -> None:
+        """Free the slot reserved for ``call``, which was never sent."""
+        handle.in_flight.discard(call.request_id)
+        self._pump()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as the pool's own task (kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _acquire(self, call: RelayCall, deadline: float, *, front: bool) -> WorkerHandle:
         """Queue the call and wait until ``_pump`` reserves a worker slot for it."""
@@ -1124,6 +1182,17 @@ class WorkerPool:
         if isinstance(message, protocol.Done) and message.extra.get(protocol.PREEMPTED):
             self._preempted(handle, call, message)
             return True
+        if (
+            isinstance(message, protocol.Error)
+            and message.code == protocol.IMAGE_MISSING
+            and call.images
+            and call.attempts < self.max_attempts
+        ):
+            log.warning("worker %s lacks an image of %s: sending them again", handle.worker_id, rid)
+            call.state = RequestState.QUEUED
+            call.worker_id = None
+            self._spawn(self._resend_images(handle, call))
+            return True
         self._calls.pop(rid, None)
         if isinstance(message, protocol.Done):
             handle.served += 1
@@ -1133,6 +1202,20 @@ class WorkerPool:
         else:
             self._fail(call, WorkerFailedError(message.code, message.message))
         return True
+
+    async def _resend_images(self, handle: WorkerHandle, call: RelayCall) -> None:
+        """The worker refused ``call`` for an image it does not hold: forget the call's
+        images on both sides (a drop of an image the worker lacks is harmless), then
+        dispatch the call again, which sends them."""
+        async with handle.image_lock:
+            shas = [ref.sha256 for ref in call.images]
+            held = [sha for sha in dict.fromkeys(shas) if sha in handle.endpoint.images]
+            handle.images.forget(shas)
+            if held and handle.endpoint.state is protocol.ConnectionState.OPEN:
+                frame = handle.endpoint.drop_images(protocol.ImageDrop(held))
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await handle.link.send(frame)
+        await self._redispatch(call)
 
     def _preempted(self, handle: WorkerHandle, call: RelayCall, done: protocol.Done) -> None:
         """A weight update aborted the request: it continues from its tokens, on the new
@@ -1148,6 +1231,4 @@ class WorkerPool:
             return
         self.stats.preempted += 1
         call._push(ResumedEvent("weights update", len(call.received)))
-        task = asyncio.get_running_loop().create_task(self._redispatch(call))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._redispatch(call))

@@ -280,6 +280,12 @@ class Error(msgspec.Struct, frozen=True, tag="error"):
     request_id: str | None = None
 
 
+# ``Error.code`` of a request that names an image the worker does not hold: the worker
+# answers it for that request and keeps serving; the proxy forgets the request's images
+# (``ImageDrop``) and sends them again.
+IMAGE_MISSING = "image_missing"
+
+
 RequestFrame = Delta | Done | Error
 
 
@@ -601,13 +607,13 @@ class ProxyEndpoint(_Endpoint):
         return encode(Cancel(request_id))
 
 
-def _check_images(message: Generate, held: set[str]) -> None:
-    """A request's images are held by the worker and lie, in order and apart, inside its
-    prompt."""
+def _check_images(message: Generate, held: set[str] | None) -> None:
+    """A request's images are held by the worker (unless ``held`` is None) and lie, in
+    order and apart, inside its prompt."""
     length = len(message.prompt_ids) // 4
     end = 0
     for ref in message.images:
-        if ref.sha256 not in held:
+        if held is not None and ref.sha256 not in held:
             raise IllegalTransitionError(
                 f"request {message.request_id!r} uses image {ref.sha256[:12]}, not sent"
             )
@@ -659,7 +665,9 @@ class WorkerEndpoint(_Endpoint):
         if isinstance(message, Generate):
             if message.request_id in self.in_flight:
                 raise IllegalTransitionError(f"request {message.request_id!r} already running")
-            _check_images(message, self.images)
+            # An image the worker lacks fails that request (``IMAGE_MISSING``), not the
+            # connection and every request on it.
+            _check_images(message, None)
             self.in_flight.add(message.request_id)
         elif isinstance(message, Image):
             if message.sha256 in self.images:

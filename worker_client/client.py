@@ -174,6 +174,8 @@ class WorkerClient:
                 tokenizer_files=collect_tokenizer_files(served.tokenizer_dir, served.chat_template),
                 image_token_id=served.engine.card.image_token_id,
                 routing=served.engine.card.routing,
+                engine=dict(served.engine.card.engine),
+                routing_unavailable=served.engine.card.routing_unavailable,
             )
             for name, served in self.models.items()
         ]
@@ -255,6 +257,16 @@ class WorkerClient:
                     return
                 if isinstance(message, protocol.Generate):
                     rid = message.request_id
+                    missing = [ref.sha256 for ref in message.images if ref.sha256 not in images]
+                    if missing:
+                        # This request fails alone; the proxy sends its images again.
+                        log.warning("worker %s: %s uses an image it lacks", self.worker_id, rid)
+                        outbox.finish(
+                            protocol.Error(
+                                protocol.IMAGE_MISSING, f"image {missing[0][:12]} not held", rid
+                            )
+                        )
+                        continue
                     # The request takes its images' bytes now: a later drop cannot reach it.
                     spans = [
                         ImageSpan(ref.sha256, images[ref.sha256], ref.start, ref.end)

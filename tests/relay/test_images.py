@@ -153,3 +153,124 @@ async def test_requests_sent_together_never_use_an_image_the_worker_lacks() -> N
     for message in link.sent:
         worker.receive(protocol.encode(message))  # raises on an image it does not hold
     assert sum(isinstance(m, protocol.Generate) for m in link.sent) == 2
+
+
+class GatedLink(RecordingLink):
+    """A link whose image frames wait at a gate, as a socket's write waits on a slow
+    worker: a frame is sent only once the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def send(self, data: bytes) -> None:
+        if isinstance(protocol.decode_proxy_message(data), protocol.Image):
+            self.waiting.set()
+            await self.gate.wait()
+        await super().send(data)
+
+
+def _replay(sent: list[protocol.ProxyMessage]) -> protocol.WorkerEndpoint:
+    """The frames a worker got, through its own endpoint: raises on an image it lacks."""
+    worker = protocol.WorkerEndpoint()
+    worker.state = protocol.ConnectionState.OPEN
+    worker.version = protocol.PROTOCOL_VERSION
+    for message in sent:
+        received = worker.receive(protocol.encode(message))
+        if isinstance(received, protocol.Generate):
+            assert all(ref.sha256 in worker.images for ref in received.images), received
+    return worker
+
+
+async def _gated_worker(pool: WorkerPool) -> tuple[WorkerHandle, GatedLink]:
+    link = GatedLink()
+    endpoint = protocol.ProxyEndpoint()
+    endpoint.state = protocol.ConnectionState.OPEN
+    info = protocol.ModelInfo("vlm", 1024, "raw", "hf", {}, image_token_id=9)
+    handle = WorkerHandle(WorkerId("w"), link, endpoint, {"vlm": info}, 4)
+    await pool.add_worker(handle)
+    return handle, link
+
+
+async def _settled(pool: WorkerPool) -> None:
+    for _ in range(100):
+        if not pool._background:
+            return
+        await asyncio.gather(*pool._background, return_exceptions=True)
+    raise AssertionError("the pool's background work did not end")
+
+
+async def test_a_hang_up_while_an_image_is_sent_keeps_the_worker_and_its_ledger_true() -> None:
+    """A caller that leaves while its image is on the way to the worker: the frames go out
+    whole and the request is cancelled on the worker; its slot comes free, and the next
+    request with the same image finds the worker holding it."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, link = await _gated_worker(pool)
+    sampling = protocol.Sampling(max_tokens=2)
+    leaving = asyncio.create_task(
+        pool.start("vlm", list(range(12)), sampling, images=[_image("a", 2, 6)])
+    )
+    await asyncio.wait_for(link.waiting.wait(), 5)
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    link.gate.set()
+    await _settled(pool)
+    assert handle.in_flight == set()
+    assert pool.in_flight == 0
+    kinds = [type(m).__name__ for m in link.sent]
+    assert kinds == ["Image", "Generate", "Cancel"]
+    call = await pool.start("vlm", list(range(12)), sampling, images=[_image("a", 2, 6)])
+    assert handle.in_flight == {call.request_id}
+    worker = _replay(link.sent)
+    assert worker.images == {"a" * 64} == handle.endpoint.images
+
+
+async def test_a_hang_up_while_waiting_for_the_image_lock_gives_the_slot_back() -> None:
+    """A caller that leaves while another request's images hold the worker's image lock
+    sends nothing and gives its slot back; the worker's ledger is unchanged by it."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, link = await _gated_worker(pool)
+    sampling = protocol.Sampling(max_tokens=2)
+    first = asyncio.create_task(
+        pool.start("vlm", list(range(12)), sampling, images=[_image("a", 2, 6)])
+    )
+    await asyncio.wait_for(link.waiting.wait(), 5)
+    leaving = asyncio.create_task(
+        pool.start("vlm", list(range(12)), sampling, images=[_image("b", 2, 6)])
+    )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(handle.in_flight) == 2  # both hold a slot; the second waits for the lock
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert len(handle.in_flight) == 1
+    link.gate.set()
+    call = await asyncio.wait_for(first, 5)
+    await _settled(pool)
+    assert handle.in_flight == {call.request_id}
+    assert [type(m).__name__ for m in link.sent] == ["Image", "Generate"]
+    assert "b" * 64 not in handle.images
+    _replay(link.sent)
+
+
+async def test_a_worker_that_lacks_an_image_gets_it_again() -> None:
+    """A worker that answers a request with ``image_missing``: the pool tells it to drop
+    the request's images, sends them again and re-sends the request, on the same worker."""
+    pool = WorkerPool(wait_seconds=1)
+    handle, link = await _worker(pool, "w", protocol.PROTOCOL_VERSION)
+    call = await pool.start(
+        "vlm", list(range(12)), protocol.Sampling(max_tokens=2), images=[_image("a", 2, 6)]
+    )
+    refusal = protocol.Error(protocol.IMAGE_MISSING, "not held", call.request_id)
+    await pool.handle_message(handle, handle.endpoint.receive(protocol.encode(refusal)))
+    await _settled(pool)
+    kinds = [type(m).__name__ for m in link.sent]
+    assert kinds == ["Image", "Generate", "ImageDrop", "Image", "Generate"]
+    assert handle.in_flight == {call.request_id}
+    assert handle.images.held_bytes == SIZES["a"]
+    drop = link.sent[2]
+    assert isinstance(drop, protocol.ImageDrop)
+    assert drop.sha256s == ["a" * 64]

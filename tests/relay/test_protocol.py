@@ -446,8 +446,9 @@ def test_images_round_trip_and_travel_as_bytes() -> None:
 
 def test_a_request_uses_only_images_the_worker_holds() -> None:
     """Both ends track what the worker holds: an image is sent once, a request may use it
-    until it is dropped, and using an image never sent (or dropped) is illegal on either
-    side."""
+    until it is dropped, and the proxy cannot send a request using an image never sent (or
+    dropped). A worker given one anyway takes the request, to fail it alone with
+    ``IMAGE_MISSING``: the connection and its other requests go on."""
     proxy, worker = _open_pair()
     ref = protocol.ImageRef(_SHA, 2, 6)
     with pytest.raises(IllegalTransitionError, match="not sent"):
@@ -462,8 +463,11 @@ def test_a_request_uses_only_images_the_worker_holds() -> None:
     assert proxy.images == worker.images == set()
     with pytest.raises(IllegalTransitionError, match="not held"):
         proxy.drop_images(protocol.ImageDrop([_SHA]))
-    with pytest.raises(IllegalTransitionError, match="not sent"):
-        worker.receive(protocol.encode(_generate_with_images(ref, rid="r2")))
+    received = worker.receive(protocol.encode(_generate_with_images(ref, rid="r2")))
+    assert isinstance(received, protocol.Generate)
+    assert "r2" in worker.in_flight
+    worker.finish(protocol.Error(protocol.IMAGE_MISSING, "not held", "r2"))
+    assert "r2" not in worker.in_flight
 
 
 @pytest.mark.parametrize(

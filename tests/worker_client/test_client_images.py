@@ -91,3 +91,39 @@ async def test_a_text_worker_announces_no_images(proxy: RunningProxy, tiny_model
         assert handle.models["tiny"].image_token_id is None
         assert "preprocessor_config.json" not in handle.models["tiny"].tokenizer_files
     await engine.close()
+
+
+async def test_a_request_naming_an_image_the_worker_lacks_fails_alone(
+    proxy: RunningProxy,
+) -> None:
+    """A proxy whose ledger says the worker holds an image it never got: the worker answers
+    that request alone with ``image_missing`` and keeps its connection; the pool sends the
+    image again and the request completes on the same connection."""
+    engine = HFEngine.load(SHIPPED_TINY_VLM, name="vlm")
+    client = WorkerClient(
+        proxy.worker_url, {"vlm": ServedModel(engine, SHIPPED_TINY_VLM)}, token=TOKEN
+    )
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TINY_VLM)
+    async with _running(client):
+        await proxy.wait_for_workers(1, within_seconds=30)
+        pool = proxy.app[POOL]
+        (handle,) = pool.workers.values()
+        prompt = Prompt(engine, tokenizer, [user(RED, "What is it?")])
+        red = hashlib.sha256(RED).hexdigest()
+        # What a frame lost on its way used to leave behind: the proxy believes it was sent.
+        handle.images.plan([red], {red: len(RED)})
+        handle.endpoint.images.add(red)
+        call = await pool.start(
+            "vlm",
+            prompt.ids,
+            protocol.Sampling(max_tokens=3, seed=3),
+            images=_prompt_images(prompt.images),
+        )
+        tokens, _, finished = await asyncio.wait_for(_collect(call), 30)
+        assert len(tokens) == 3
+        assert finished.finish_reason == "length"
+        assert pool.workers.get(handle.worker_id) is handle
+        assert pool.stats.worker_disconnects == 0
+        assert handle.in_flight == set()
+        assert handle.endpoint.images == {red}
+    await engine.close()
