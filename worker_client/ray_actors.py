@@ -20,6 +20,12 @@ version (the engine resumes them) and the others the new one, and raises ``Weigh
 naming them; each proxy then hears the new version from the actors that committed and
 brings the others up to it (or takes them out of service), as for any worker behind.
 
+An update belongs to the group, not to the caller awaiting it: it runs as a task of its
+own, awaited through ``asyncio.shield``, so a trainer whose step is cancelled (a timeout,
+a signal) does not stop it between pause and commit; it ends committed or rolled back,
+and the rollback runs in a ``finally`` that cancellation cannot skip. The same update asked
+again while it runs waits for it.
+
 Ray is imported lazily: it is an optional dependency (``rollout-relay[ray]``). Ray's own
 errors are translated to ``WorkerError`` subclasses here.
 """
@@ -30,9 +36,10 @@ import asyncio
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from relay.protocol import PauseMode
 from worker_client.client import ServedModel, WorkerClient
@@ -201,6 +208,33 @@ def _failed(results: list[Any]) -> list[int]:
     return [i for i, r in enumerate(results) if isinstance(r, BaseException)]
 
 
+T = TypeVar("T")
+
+
+async def _to_the_end(step: Awaitable[T]) -> T:
+    """Await ``step`` until it is done even if the caller is cancelled meanwhile (that
+    cancellation is raised afterwards): a phase whose outcome decides the cleanup, or the
+    cleanup itself, must not stop halfway."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
+
+
+def _observed(task: asyncio.Task[int]) -> None:
+    """Retrieve an update's error: its caller may have gone away before it ended."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _get(ray: Any, refs: Any, within_seconds: float | None = None) -> Any:
     """Wait for Ray object refs without blocking the event loop (``ray.get`` in a thread:
     awaiting refs directly depends on which loop Ray's callbacks find)."""
@@ -223,6 +257,10 @@ class WorkerActorGroup:
     actors: list[Any]  # Ray actor handles of WorkerActor
     worker_ids: list[str]
     placement_group: Any
+    # The update running: (version, path) and its task.
+    _running: tuple[tuple[int, str | None], asyncio.Task[int]] | None = field(
+        default=None, repr=False
+    )
 
     @classmethod
     async def start(
@@ -328,18 +366,39 @@ class WorkerActorGroup:
         ``WeightsError`` is raised: a checkpoint any actor cannot load (or an actor that
         cannot pause) rolls every actor back; a commit that fails on some actors leaves
         them on their old version and the others on ``version`` (see the module
-        docstring). No actor is left paused."""
+        docstring). No actor is left paused, also when the caller is cancelled: the update
+        runs on to its end, and the same update asked again waits for it."""
+        pause_mode = PauseMode(mode)
+        running = self._running
+        if running is not None and not running[1].done() and running[0] == (version, path):
+            return await asyncio.shield(running[1])
+        task = asyncio.get_running_loop().create_task(self._update(version, path, pause_mode))
+        task.add_done_callback(_observed)
+        self._running = ((version, path), task)
+        return await asyncio.shield(task)
+
+    async def _update(self, version: int, path: str | None, mode: PauseMode) -> int:
+        """The update's task: pause, load, then commit or roll back."""
         ray = _import_ray()
-        await self.pause(abort_in_flight=PauseMode(mode) is PauseMode.ABORT)
-        results = await _each(ray, [a.load.remote(version, path) for a in self.actors])
-        failed = _failed(results)
-        if failed:
-            await _each(ray, [a.rollback.remote() for a in self.actors])
-            raise WeightsError(
-                f"weights version {version} did not load: {results[failed[0]]} "
-                f"({self._names(failed)}); every actor serves the version before"
-            )
-        results = await _each(ray, [a.commit.remote() for a in self.actors])
+        pausing = asyncio.ensure_future(self.pause(abort_in_flight=mode is PauseMode.ABORT))
+        committing = False
+        try:
+            # A pause that fails resumed what it paused; one stopped halfway is let finish,
+            # so that what it paused is rolled back below.
+            await _to_the_end(pausing)
+            results = await _each(ray, [a.load.remote(version, path) for a in self.actors])
+            failed = _failed(results)
+            if failed:
+                raise WeightsError(
+                    f"weights version {version} did not load: {results[failed[0]]} "
+                    f"({self._names(failed)}); every actor serves the version before"
+                )
+            committing = True  # from here on each actor's weights depend on its commit
+            results = await _to_the_end(_each(ray, [a.commit.remote() for a in self.actors]))
+        finally:
+            paused = pausing.done() and not pausing.cancelled() and pausing.exception() is None
+            if paused and not committing:
+                await _to_the_end(_each(ray, [a.rollback.remote() for a in self.actors]))
         failed = _failed(results)
         if failed:
             raise WeightsError(
