@@ -1,7 +1,12 @@
 """The layering of the packages, read from their imports: the service and the worker client
 stand on the relay alone, the SDK never reaches into the service, the relay imports no other
 package of the project, and only the commands' package wires them together. The picture is
-drawn in docs/architecture.md."""
+drawn in docs/architecture.md.
+
+An import is any statement that imports (``import``, ``from ... import``) and any call
+that imports a name written out in the source (``importlib.import_module("...")``,
+``__import__("...")``, also an f-string whose package is written out); a name computed at
+run time cannot be read here."""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # What each package may import of the project (besides itself). The commands' package
-# (rollout_relay) and the benchmark wire everything together and may import any of them.
+# (rollout_relay), the benchmark and the examples wire everything together and may import
+# any of them.
 EVERYTHING = frozenset({"relay", "proxy", "worker_client", "sdk", "deploy", "rollout_relay"})
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "relay": frozenset(),
@@ -24,18 +30,70 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "deploy": frozenset(),
     "rollout_relay": EVERYTHING,
     "bench": EVERYTHING,
+    "examples": EVERYTHING,
 }
 
 
 def imported_modules(source: str) -> Iterator[tuple[int, str]]:
     """(line, module) of every absolute import in ``source``: at the top, inside functions
-    and under ``if TYPE_CHECKING``, since each of them is a dependency all the same."""
+    and under ``if TYPE_CHECKING``, since each of them is a dependency all the same; and of
+    every call that imports a module named in the source (see the module docstring)."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.lineno, node.module
+        elif isinstance(node, ast.Call) and _imports(node.func) and node.args:
+            module = _written_name(node.args[0])
+            if module:
+                yield node.lineno, module
+
+
+def _imports(func: ast.expr) -> bool:
+    """Whether a call of ``func`` imports its first argument: ``importlib.import_module``
+    (or ``import_module`` taken from importlib), ``__import__`` (or ``builtins.__import__``)."""
+    if isinstance(func, ast.Name):
+        return func.id in ("import_module", "__import__")
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return (func.value.id, func.attr) in (
+            ("importlib", "import_module"),
+            ("builtins", "__import__"),
+        )
+    return False
+
+
+def _written_name(arg: ast.expr) -> str | None:
+    """The absolute module name ``arg`` writes out, or as much of it as an f-string writes
+    before its first placeholder (whole names only); None for a relative name or one
+    computed at run time."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        name = arg.value
+    elif (
+        isinstance(arg, ast.JoinedStr)
+        and arg.values
+        and isinstance(head := arg.values[0], ast.Constant)
+        and isinstance(head.value, str)
+        and "." in head.value
+    ):
+        name = head.value.rpartition(".")[0]
+    else:
+        return None
+    return None if not name or name.startswith(".") else name
+
+
+def packages(root: Path) -> set[str]:
+    """The top-level folders under ``root`` that Python can import from: those holding a
+    ``.py`` file at any depth, with or without ``__init__.py`` (a folder without one is a
+    namespace package all the same); hidden folders and the tests aside."""
+    return {
+        path.name
+        for path in root.iterdir()
+        if path.is_dir()
+        and not path.name.startswith(".")
+        and path.name != "tests"
+        and next(path.rglob("*.py"), None) is not None
+    }
 
 
 def violations(root: Path, rules: dict[str, frozenset[str]]) -> list[str]:
@@ -57,14 +115,26 @@ def test_the_packages_import_only_what_the_layering_allows() -> None:
 
 
 def test_every_package_of_the_project_has_a_rule() -> None:
-    """A new top-level package cannot escape the check: every folder with an
-    ``__init__.py`` at the top of the repository (tests aside) is named in the rules."""
-    packages = {
-        path.parent.name
-        for path in REPO.glob("*/__init__.py")
-        if path.parent.name != "tests" and not path.parent.name.startswith(".")
-    }
-    assert packages == set(MAY_IMPORT)
+    """A new top-level package cannot escape the check: every folder at the top of the
+    repository that holds Python (tests aside) is named in the rules."""
+    assert packages(REPO) == set(MAY_IMPORT)
+
+
+def test_a_folder_without_init_that_holds_python_is_a_package(tmp_path: Path) -> None:
+    """A top-level folder with Python at any depth and no ``__init__.py`` is counted as a
+    package; folders without Python, hidden ones and the tests are not."""
+    for folder, name in [
+        ("regular", "__init__.py"),
+        ("scripts", "tool.py"),
+        ("namespace/deeper", "mod.py"),
+        ("docs", "guide.md"),
+        (".venv/lib", "site.py"),
+        ("tests", "test_x.py"),
+    ]:
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / name).write_text("")
+    (tmp_path / "setup.py").write_text("")
+    assert packages(tmp_path) == {"regular", "scripts", "namespace"}
 
 
 @pytest.mark.parametrize(
@@ -81,13 +151,20 @@ def test_every_package_of_the_project_has_a_rule() -> None:
         ("relay", "from worker_client.engine import Engine", "worker_client.engine"),
         ("relay", "from proxy import exceptions", "proxy"),
         ("deploy", "from proxy.exceptions import ProxyError", "proxy.exceptions"),
+        ("proxy", 'importlib.import_module("sdk.client")', "sdk.client"),
+        ("relay", 'import_module("proxy.app")', "proxy.app"),
+        ("worker_client", 'config = __import__("proxy.config")', "proxy.config"),
+        ("sdk", 'builtins.__import__("rollout_relay")', "rollout_relay"),
+        ("deploy", 'importlib.import_module(f"proxy.api.{name}")', "proxy.api"),
+        ("rollout_relay", "import examples.image_turn", "examples.image_turn"),
     ],
 )
 def test_a_forbidden_import_is_reported(
     tmp_path: Path, package: str, line: str, module: str
 ) -> None:
     """The check can fail: each import the layering forbids is reported with its place, also
-    when it hides inside a function or under TYPE_CHECKING."""
+    when it hides inside a function or under TYPE_CHECKING, or is a call that imports a
+    module named in the source."""
     for name in MAY_IMPORT:
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("")
@@ -115,6 +192,10 @@ def test_allowed_imports_are_not_reported(tmp_path: Path) -> None:
         "rollout_relay": "from proxy.app import build_app\nfrom sdk.client import ProxyClient\n"
         "from deploy.command import run_deploy\nfrom worker_client.fleet import WorkerFleet",
         "deploy": "import yaml\nfrom deploy.exceptions import DeployError",
+        "relay": 'importlib.import_module(".protocol", "relay")\n'
+        "importlib.import_module(module)\n"
+        'importlib.import_module(f"{base}.sampling_params")\n'
+        'importlib.import_module("json")\n__import__("relay.protocol")',
     }
     for name in MAY_IMPORT:
         (tmp_path / name).mkdir()
