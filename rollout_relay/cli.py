@@ -12,7 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from deploy.command import add_deploy_parser, at_least_one_arg, run_deploy
 from proxy.appkeys import MODELS
@@ -21,6 +21,11 @@ from proxy.config import ProxyConfig
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
+
+T = TypeVar("T")
+
+# The signals that stop every long-running command cleanly.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Where the tiny model is written when the installation does not ship it.
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "rollout-relay" / "tiny-model"
@@ -525,8 +530,14 @@ def ensure_tiny_model(path: Path | None, say: Callable[[str], None] = print) -> 
     return DEFAULT_TINY_MODEL
 
 
-def _run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
-    """Run ``main`` on the standard event loop or on uvloop's."""
+def _run_loop(
+    main: Coroutine[Any, Any, T], kind: str = "asyncio", *, stop_on_signal: bool = True
+) -> T | None:
+    """Run ``main`` on the standard event loop or on uvloop's. With ``stop_on_signal``,
+    SIGTERM or SIGINT cancels it, so that its own ``finally`` blocks close what it opened
+    (the proxy, the worker's engine), and None is returned. The handlers are installed
+    whatever the process inherited: a process started from a non-interactive shell has
+    SIGINT ignored, and nothing else would stop it short of SIGKILL."""
     factory = None
     if kind == "uvloop":
         try:
@@ -535,7 +546,33 @@ def _run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
             raise ConfigurationError("--event-loop uvloop needs the uvloop package") from exc
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main)
+        return runner.run(_until_signalled(main) if stop_on_signal else main)
+
+
+async def _until_signalled(main: Coroutine[Any, Any, T]) -> T | None:
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def stop(signum: int) -> None:
+        if not received:
+            logging.getLogger("rollout_relay").info(
+                "%s received: stopping", signal.Signals(signum).name
+            )
+        received.append(signum)
+        task.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if received:
+            return None
+        raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
 
 
 def _freeze_alive() -> None:
@@ -555,12 +592,13 @@ async def _run_proxy(config: ProxyConfig) -> None:
     # embedded proxy leaves its host's collector be.
     _freeze_alive()
     running.app[MODELS].on_added = _freeze_alive
-    print(f"rollout-relay proxy listening on {running.url}", flush=True)
-    print(f"  workers connect to {running.worker_url}", flush=True)
     terminate = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    # Before saying it listens: whoever waits for that line may signal at once.
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, terminate.set)
+    print(f"rollout-relay proxy listening on {running.url}", flush=True)
+    print(f"  workers connect to {running.worker_url}", flush=True)
     stopped = False
     try:
         await terminate.wait()
@@ -568,7 +606,7 @@ async def _run_proxy(config: ProxyConfig) -> None:
         await running.shutdown(config.drain_seconds)
         stopped = True
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
         if not stopped:
             await running.stop()
@@ -630,7 +668,12 @@ async def _run_worker(args: argparse.Namespace) -> None:
     )
     # The engine and what loading it imported live as long as the process (see the proxy).
     _freeze_alive()
-    await fleet.run()
+    try:
+        await fleet.run()
+    finally:
+        # Cancelled by SIGTERM or SIGINT too: an engine with processes of its own (vLLM's
+        # engine core) must not outlive the worker.
+        await engine.close()
 
 
 async def _up(config: ProxyConfig, model_dir: Path) -> None:
@@ -676,20 +719,20 @@ def _demo(args: argparse.Namespace) -> int:
     )
     model = ensure_tiny_model(args.model, say)
     say(f"[1/5] model: {model}")
-    try:
-        return asyncio.run(
-            run_demo(
-                _config(args, None),
-                model,
-                turns=args.turns,
-                seed=args.seed,
-                keep=args.keep,
-                say=say,
-            )
+    result = _run_loop(
+        run_demo(
+            _config(args, None),
+            model,
+            turns=args.turns,
+            seed=args.seed,
+            keep=args.keep,
+            say=say,
         )
-    except KeyboardInterrupt:
+    )
+    if result is None:
         say("stopped")
         return 0
+    return result
 
 
 def _console(title: str, name: str, whose: str, *, verbose: bool) -> Callable[[str], None]:
@@ -802,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
             config = _secured_config(args)
             if config is None:
                 return 2
-            _run_loop(_run_proxy(config), args.event_loop)
+            # The proxy drains on a signal itself (see _run_proxy).
+            _run_loop(_run_proxy(config), args.event_loop, stop_on_signal=False)
         elif args.command == "worker":
             if args.backend == "openai" and not args.upstream_url:
                 print(
@@ -821,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            asyncio.run(_run_worker(args))
+            _run_loop(_run_worker(args))
         elif args.command == "tiny-model":
             from worker_client.families import FamilyError, write_family_model
             from worker_client.tiny_model import write_tiny_model
@@ -845,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote tiny model to {path}")
         elif args.command == "up":
             _warn_open("`rollout-relay up`", args.host)
-            asyncio.run(_up(_config(args, None), ensure_tiny_model(args.model)))
+            _run_loop(_up(_config(args, None), ensure_tiny_model(args.model)))
         elif args.command == "deploy":
             return run_deploy(args)
         elif args.command == "task-server":

@@ -97,10 +97,7 @@ async def run_demo(
             viewer = f"{running.url}/ui/#{trial.trial_id}"
             if keep:
                 say(f"viewer: {viewer}  (the proxy stays up: Ctrl-C to stop)")
-                try:
-                    await asyncio.Event().wait()
-                except asyncio.CancelledError:
-                    pass
+                await asyncio.Event().wait()  # until a signal cancels it
             else:
                 say(f"viewer: {viewer}  (run `rollout-relay demo --keep` to keep it up)")
                 await proxy.delete(trial.trial_id)

@@ -421,12 +421,13 @@ async def serve_forever(config: TaskServerConfig) -> None:
     import signal
 
     running = await start_task_server(config)
-    print(f"rollout-relay task server listening on {running.url}", flush=True)
-    print(f"  runs in {running.server.runs_dir}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Before saying it listens: whoever waits for that line may signal at once.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    print(f"rollout-relay task server listening on {running.url}", flush=True)
+    print(f"  runs in {running.server.runs_dir}", flush=True)
     try:
         await stop.wait()
     finally:

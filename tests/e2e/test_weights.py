@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from sdk.client import ProxyClient
 from sdk.exceptions import ProxyRequestError
 from sdk.fidelity import check_fidelity, check_fidelity_by_version
 from tests.e2e.conftest import TIMEOUT_FACTOR, worker_command
+from tests.processes import reap
 from worker_client.backends.hf import HFEngine
 from worker_client.checkpoints import perturbed_checkpoint
 
@@ -88,8 +88,7 @@ async def first_worker(
     process = _start_worker(proxy, tiny_model_dir, FIRST)
     await _joined(proxy, process, FIRST)
     yield process
-    process.kill()
-    process.wait()
+    reap(process)
 
 
 @pytest.fixture
@@ -341,14 +340,12 @@ async def test_late_and_reconnecting_workers_load_the_current_weights(
         await _served_by(client, LATE, version, scorers[checkpoints[1]], seed=31)
 
         old = proxy.app[POOL].workers[LATE]  # type: ignore[index]
-        late.send_signal(signal.SIGKILL)
-        late.wait()
+        reap(late)  # SIGKILL
         late = _start_worker(proxy, tiny_model_dir, LATE)  # the same id, a fresh process
         await _joined(proxy, late, LATE, old=old)
         await _served_by(client, LATE, version, scorers[checkpoints[1]], seed=32)
     finally:
-        late.kill()
-        late.wait()
+        reap(late)
 
 
 async def test_update_without_workers_is_loaded_by_the_first_to_join(
@@ -379,8 +376,7 @@ async def test_update_without_workers_is_loaded_by_the_first_to_join(
                 score = scorers[checkpoints[2]].score
                 assert check_fidelity(export, score).max_abs_error <= 1e-4
             finally:
-                process.kill()
-                process.wait()
+                reap(process)
     finally:
         await running.stop()
 
@@ -413,8 +409,7 @@ async def paced(
         await _joined(running, process, "paced")
         yield running
     finally:
-        process.kill()
-        process.wait()
+        reap(process)
         await running.stop()
 
 

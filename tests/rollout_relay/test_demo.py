@@ -11,7 +11,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.processes import ignoring_sigint, reap, stop
 
 
 def _demo(tiny_model_dir: Path, *extra: str) -> list[str]:
@@ -52,20 +55,28 @@ def test_demo_tells_the_episode_and_passes_the_fidelity_check(tiny_model_dir: Pa
     assert done.stderr == ""
 
 
-def test_demo_keep_leaves_the_viewer_up(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_demo_keep_leaves_the_viewer_up(tiny_model_dir: Path, signum: signal.Signals) -> None:
     """With --keep the demo ends by printing the viewer's URL and stays up: the page and
-    the episode's data are there until Ctrl-C, which stops it cleanly."""
-    with subprocess.Popen(
-        _demo(tiny_model_dir, "--keep"), stdout=subprocess.PIPE, text=True
-    ) as process:
-        try:
-            assert process.stdout is not None
-            url = next(line.split()[1] for line in process.stdout if line.startswith("viewer: "))
-            base, trial = url.split("/ui/#")
-            with urllib.request.urlopen(f"{base}/ui/", timeout=10) as page:
-                assert "viewer.js" in page.read().decode()
-            with urllib.request.urlopen(f"{base}/ui/api/sessions/{trial}", timeout=10) as data:
-                assert len(json.load(data)["turns"]) >= 3
-        finally:
-            process.send_signal(signal.SIGINT)
-            assert process.wait(timeout=30 * TIMEOUT_FACTOR) == 0
+    the episode's data are there until Ctrl-C or SIGTERM, which stop it cleanly, even
+    when it was started as a background job is (SIGINT ignored)."""
+    process = subprocess.Popen(
+        _demo(tiny_model_dir, "--keep"),
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignoring_sigint,
+    )
+    try:
+        assert process.stdout is not None
+        url = next(line.split()[1] for line in process.stdout if line.startswith("viewer: "))
+        base, trial = url.split("/ui/#")
+        with urllib.request.urlopen(f"{base}/ui/", timeout=10) as page:
+            assert "viewer.js" in page.read().decode()
+        with urllib.request.urlopen(f"{base}/ui/api/sessions/{trial}", timeout=10) as data:
+            assert len(json.load(data)["turns"]) >= 3
+        assert stop(process, signum) == 0
+        assert process.stdout.read().strip() == "stopped"
+    finally:
+        reap(process)
+        if process.stdout is not None:
+            process.stdout.close()

@@ -138,7 +138,7 @@ def launch_harbor_view(jobs: Path) -> Iterator[str]:
             process.wait(timeout=10 * TIMEOUT_FACTOR)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            process.wait(timeout=10 * TIMEOUT_FACTOR)
         log.close()
 
 
