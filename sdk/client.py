@@ -8,13 +8,14 @@ One ``aiohttp.ClientSession`` is reused for every call (connection pooling); cre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,20 @@ if TYPE_CHECKING:
 # (three phases of its --weights-phase-seconds, 600 s by default: pause, load, commit or
 # rollback) and a minute for the answer to travel and a retry to join.
 UPDATE_SECONDS = 3 * 600.0 + 60.0
+
+
+@contextlib.contextmanager
+def _no_answer(method: str, url: str) -> Iterator[None]:
+    """aiohttp's errors for a call that got no answer, as ``ProxyConnectionError``:
+    ``refused`` when no connection was made at all."""
+    try:
+        yield
+    except aiohttp.ClientConnectorError as exc:
+        raise ProxyConnectionError(f"{method} {url}: {exc}", refused=True) from exc
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        detail = str(exc) or "no answer in time"
+        raise ProxyConnectionError(f"{method} {url}: {type(exc).__name__}: {detail}") from exc
+
 
 _ERRORS: dict[int, type[ProxyRequestError]] = {
     401: ProxyAuthError,
@@ -143,15 +158,10 @@ class ProxyClient(HttpClient):
         options: dict[str, Any] = {"json": payload, "ssl": self._ssl}
         if total_seconds is not None:
             options["timeout"] = aiohttp.ClientTimeout(total=total_seconds)
-        try:
+        with _no_answer(method, url):
             async with self._session().request(method, url, **options) as response:
                 body = await response.read()
                 status, reason, headers = response.status, response.reason, response.headers
-        except aiohttp.ClientConnectorError as exc:
-            raise ProxyConnectionError(f"{method} {url}: {exc}", refused=True) from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            detail = str(exc) or "no answer in time"
-            raise ProxyConnectionError(f"{method} {url}: {type(exc).__name__}: {detail}") from exc
         if raw and status < 400:
             return body
         try:
@@ -353,5 +363,9 @@ class ProxyClient(HttpClient):
         return result
 
     async def ready(self) -> bool:
-        async with self._session().get(f"{self.proxy_url}/readyz", ssl=self._ssl) as response:
-            return response.status == 200
+        """Whether the proxy is ready to serve (``GET /readyz`` answers 200); a proxy that
+        does not answer at all raises ``ProxyConnectionError``."""
+        url = f"{self.proxy_url}/readyz"
+        with _no_answer("GET", url):
+            async with self._session().get(url, ssl=self._ssl) as response:
+                return response.status == 200

@@ -60,3 +60,34 @@ async def test_a_trial_whose_owner_cannot_be_reached_goes_through_the_given_repl
         client._peers = peers  # what GET /cluster would have said
         with pytest.raises(SessionNotFoundError):
             await client.get_session(trial_id)
+
+
+@pytest.mark.parametrize(
+    ("fault", "text"), [(Fault.RESET, "ServerDisconnectedError"), (Fault.HANG, "TimeoutError")]
+)
+async def test_ready_without_an_answer_raises_the_sdks_error(fault: Fault, text: str) -> None:
+    """A readiness probe that gets no answer (a dropped connection, a timeout, a refused
+    connection) raises ProxyConnectionError, never aiohttp's errors; an error page is an
+    answer: not ready."""
+    # Every attempt meets the fault: aiohttp itself sends a GET again once on a dropped
+    # connection.
+    front = FaultyFront("http://127.0.0.1:1", fault, "GET /readyz", times=5)
+    await front.start()
+    try:
+        async with ProxyClient(front.url, timeout_seconds=1 * TIMEOUT_FACTOR) as client:
+            with pytest.raises(ProxyConnectionError, match=text) as info:
+                await client.ready()
+            assert not info.value.refused
+    finally:
+        await front.stop()
+    async with ProxyClient("http://127.0.0.1:1") as client:
+        with pytest.raises(ProxyConnectionError) as refused:
+            await client.ready()
+        assert refused.value.refused
+    front = FaultyFront("http://127.0.0.1:1", Fault.HTML, "GET /readyz", times=1)
+    await front.start()
+    try:
+        async with ProxyClient(front.url) as client:
+            assert await client.ready() is False
+    finally:
+        await front.stop()
