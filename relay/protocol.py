@@ -66,6 +66,15 @@ Policy versions: ``Hello`` says which weights the worker serves (``policy_versio
 checkpoint ``weights_path`` it loaded last); a ``Done`` carries the version that sampled its
 request's tokens in ``extra["policy_version"]``, and ``extra["preempted"]`` when the request
 was aborted by a weight update (the proxy continues it from its tokens on the new weights).
+
+A version describes the weights only when the commit that set it completed. A worker whose
+``Commit`` failed part-way (its engine had begun to swap the new weights in) answers
+``ok=False`` and serves again under its previous version, which its weights may no longer
+be: the proxy takes it out of service. When it reconnects, its hello still says that
+previous version: it is brought back to known weights only by loading a checkpoint, as a
+worker behind a newer pool version does; if no worker committed, the pool's version did
+not move, and such a worker is served under it as it is. Restart it, or run the next
+update (which loads the whole checkpoint), before trusting what it samples.
 """
 
 from __future__ import annotations
