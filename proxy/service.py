@@ -253,8 +253,7 @@ class TurnService:
         served = await self._served(session, request.requested_model)
         if session.options.routed_experts and served.routing is None:
             raise BadRequestError(
-                f"model {served.name!r} reports no expert routing (a dense model, or "
-                "workers whose engine cannot report it), and this session asked for it",
+                f"{no_routing(self.pool, served.name)}, and this session asked for it",
                 code="routing_unsupported",
             )
         renderer = served.renderer
@@ -988,3 +987,16 @@ def _with_reasoning(messages: Sequence[ChatMessage]) -> int:
 def _large(messages: Sequence[ChatMessage]) -> bool:
     """Big renders go to a thread so they do not stall other sessions' streams."""
     return sum(map(len, map(_CONTENT, messages))) > 200_000
+
+
+def no_routing(pool: WorkerPool, model: str) -> str:
+    """Why ``model`` comes without expert routing, for a refusal: what its worker's engine
+    said (vLLM's CPU build cannot return it), else the two usual reasons."""
+    info = pool.served_models().get(model)
+    why = info.routing_unavailable if info is not None else None
+    if why:
+        return f"model {model!r} reports no expert routing: {why}"
+    return (
+        f"model {model!r} reports no expert routing (a dense model, or workers whose engine "
+        "cannot report it)"
+    )

@@ -83,6 +83,7 @@ import enum
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -208,6 +209,12 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # A mixture-of-experts model whose engine can report the experts it routed each token
     # to (protocol 5). None: a dense model, or an engine that cannot.
     routing: RoutingShape | None = None
+    # The engine's settings that decide what it computes (vLLM: the dtype it serves,
+    # enforce_eager, max_model_len, the engine arguments given), shown in /v1/models.
+    engine: dict[str, Any] = {}
+    # Why its engine cannot report this mixture-of-experts model's routing (None: it can,
+    # or the model is dense), named when a session asking for routing is refused.
+    routing_unavailable: str | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

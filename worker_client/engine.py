@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from relay.protocol import RoutedExperts, RoutingShape
 
@@ -80,7 +80,10 @@ class ModelCard:
     """What a worker announces about a model it serves. ``image_token_id``: a
     vision-language model's image placeholder (None: it takes no images). ``routing``: a
     mixture-of-experts model's routing shape, when its engine reports routing (None: a
-    dense model, or an engine that cannot)."""
+    dense model, or an engine that cannot). ``engine``: the engine's settings that decide
+    what it computes (vLLM: the dtype it serves, ``enforce_eager``, ``max_model_len``, the
+    engine arguments given), JSON values. ``routing_unavailable``: why the engine cannot
+    report a mixture-of-experts model's routing (None: it can, or the model is dense)."""
 
     name: str
     max_model_len: int
@@ -88,6 +91,8 @@ class ModelCard:
     backend: str
     image_token_id: int | None = None
     routing: RoutingShape | None = None
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    routing_unavailable: str | None = None
 
     @property
     def vision(self) -> bool:
@@ -135,6 +140,22 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def placeholder_ids(config: Any) -> tuple[int, ...]:
+    """The tokens a vision-language model's processor reads as media slots (its
+    ``image_token_id`` and ``video_token_id``; ``config`` a transformers config or the
+    parsed ``config.json``), which every engine keeps from being sampled: a sampled one,
+    carried verbatim into the next turn's prompt, would be counted as an image or a video
+    there, and the prompt's expansion would no longer be the images it carries. A trained
+    model gives them next to no probability; the recorded logprobs are the engine's as
+    ever (raw: the model's distribution; processed: the one sampled from, without them)."""
+    found = []
+    for key in ("image_token_id", "video_token_id"):
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found.append(value)
+    return tuple(found)
 
 
 def id_list(ids: Sequence[int]) -> list[int]:

