@@ -355,6 +355,34 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--device", default="cpu", help="hf backend: the torch device (cpu, cuda, cuda:1, ...)"
     )
+    w.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="vllm backend: the dtype the engine computes in (default: vLLM's auto, except "
+        "that a float32 checkpoint is served in float32 on CPU; a trainer in float32 "
+        "reproduces only float32 logprobs)",
+    )
+    w.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vllm backend: no CUDA graphs or torch.compile (starts in a third of the time)",
+    )
+    w.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="vllm backend: the context window (default: the model's)",
+    )
+    w.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm backend: any other vLLM engine argument (AsyncEngineArgs), repeated; "
+        'VALUE is read as JSON where it parses (8, true, {"image": 1}), else as text; '
+        "e.g. --engine-arg enable_prefix_caching=false",
+    )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument(
         "--chat-template",
@@ -403,6 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--vlm",
         action="store_true",
         help="the tiny vision-language model (Qwen3-VL's architecture and template) instead",
+    )
+    t.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="attention heads this wide (vLLM's CPU attention takes 32 and up; the tiny "
+        "models' are 16): the MoE and VLM drawn anew with them; the text model is the "
+        "shipped one with its heads widened, computing the same function",
     )
 
     u = sub.add_parser("up", help="proxy + in-process hf worker on the tiny model")
@@ -619,6 +655,10 @@ async def _run_worker(args: argparse.Namespace) -> None:
 
     mode = LogprobsMode(args.logprobs_mode)
     engine: Engine
+    if args.backend != "vllm" and _vllm_arguments(args, None):
+        raise ConfigurationError(
+            "--dtype, --enforce-eager, --max-model-len and --engine-arg are for --backend vllm"
+        )
     if args.backend == "hf":
         from worker_client.backends.hf import HFEngine
 
@@ -647,13 +687,14 @@ async def _run_worker(args: argparse.Namespace) -> None:
             routing_api=args.routed_experts,
         )
     else:
-        from worker_client.backends.vllm import VLLMEngine
+        from worker_client.backends.vllm import VLLMEngine, engine_arguments
 
         engine = VLLMEngine.load(
             args.model,
             name=args.name,
             logprobs_mode=mode,
             routed_experts=args.routed_experts == "vllm",
+            **_vllm_arguments(args, engine_arguments),
         )
     fleet = WorkerFleet(
         args.proxy,
@@ -674,6 +715,26 @@ async def _run_worker(args: argparse.Namespace) -> None:
         # Cancelled by SIGTERM or SIGINT too: an engine with processes of its own (vLLM's
         # engine core) must not outlive the worker.
         await engine.close()
+
+
+def _vllm_arguments(
+    args: argparse.Namespace, parse: Callable[[list[str]], dict[str, Any]] | None
+) -> dict[str, Any]:
+    """The vLLM engine arguments the worker's flags give (``parse``: how ``--engine-arg``
+    pairs are read; None: only whether any are given)."""
+    given: dict[str, Any] = {}
+    if args.engine_arg:
+        try:
+            given = parse(args.engine_arg) if parse is not None else {"engine_arg": True}
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    named = {"dtype": args.dtype, "max_model_len": args.max_model_len}
+    for key, value in named.items():
+        if value is not None:
+            given[key] = value
+    if args.enforce_eager:
+        given["enforce_eager"] = True
+    return given
 
 
 async def _up(config: ProxyConfig, model_dir: Path) -> None:
@@ -870,14 +931,30 @@ def main(argv: list[str] | None = None) -> int:
             from worker_client.families import FamilyError, write_family_model
             from worker_client.tiny_model import write_tiny_model
 
+            heads = {} if args.head_dim is None else {"head_dim": args.head_dim}
             if args.moe:
                 from worker_client.tiny_moe import write_tiny_moe
 
-                path = write_tiny_moe(args.out_dir, seed=args.seed)
+                path = write_tiny_moe(args.out_dir, seed=args.seed, **heads)
             elif args.vlm:
                 from worker_client.tiny_vlm import write_tiny_vlm
 
-                path = write_tiny_vlm(args.out_dir, seed=args.seed)
+                path = write_tiny_vlm(args.out_dir, seed=args.seed, **heads)
+            elif args.head_dim is not None:
+                from worker_client.tiny_model import SHIPPED_TINY_MODEL, widen_heads
+
+                if args.family is not None or args.no_imprint or args.seed != 0:
+                    print(
+                        "rollout-relay tiny-model: --head-dim widens the shipped text model; "
+                        "it takes no --family, --no-imprint or --seed",
+                        file=sys.stderr,
+                    )
+                    return 2
+                try:
+                    path = widen_heads(SHIPPED_TINY_MODEL, args.out_dir, head_dim=args.head_dim)
+                except ValueError as exc:
+                    print(f"rollout-relay tiny-model: {exc}", file=sys.stderr)
+                    return 2
             elif args.family is not None:
                 try:
                     path = write_family_model(args.out_dir, args.family, seed=args.seed)

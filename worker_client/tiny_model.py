@@ -446,6 +446,62 @@ def write_tiny_model(
     return save_atomically(out_dir, model, tokenizer)
 
 
+# The head sizes vLLM's CPU attention takes start at 32; the tiny models' heads are 16 wide.
+VLLM_HEAD_DIM = 32
+
+
+def widen_heads(src: Path, out_dir: Path, *, head_dim: int = VLLM_HEAD_DIM) -> Path:
+    """Write the Llama model at ``src`` to ``out_dir`` with attention heads ``head_dim``
+    wide that compute the same function (up to float rounding), and return the path.
+
+    For engines that take no heads as narrow as the tiny model's (vLLM's CPU attention
+    starts at 32). Each head's dimensions keep their rotary frequency: with rotate-half
+    RoPE, dimension ``j`` of the first half turns at ``theta ** (-2j / d)`` with its partner
+    ``j + d/2``, so old dimension ``j`` goes to ``f * j`` and its partner to
+    ``f * j + new/2`` (``f = new / old``), the rest of each head is zero. The queries are
+    scaled by ``sqrt(f)`` so that ``q . k / sqrt(new)`` stays ``q . k / sqrt(old)``; the
+    values' zero dimensions meet zero columns of the output projection.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model: Any = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    config = model.config
+    if config.model_type != "llama":
+        raise ValueError(f"widen_heads takes a llama model, not {config.model_type!r}")
+    old = config.head_dim
+    if head_dim % old or head_dim < old:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of the model's {old}")
+    factor = head_dim // old
+    half_old, half_new = old // 2, head_dim // 2
+    places = torch.tensor(
+        [factor * j for j in range(half_old)] + [factor * j + half_new for j in range(half_old)]
+    )
+
+    def spread(weight: Any, heads: int, scale: float = 1.0) -> Any:
+        # Rows head by head, ``old`` each, into rows ``head_dim`` each at ``places``.
+        rows = weight.reshape(heads, old, -1)
+        wide = rows.new_zeros(heads, head_dim, rows.shape[-1])
+        wide[:, places] = rows * scale
+        return wide.reshape(heads * head_dim, -1)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(config.num_hidden_layers):
+        at = f"model.layers.{i}.self_attn."
+        state[at + "q_proj.weight"] = spread(state[at + "q_proj.weight"], heads, factor**0.5)
+        state[at + "k_proj.weight"] = spread(state[at + "k_proj.weight"], kv_heads)
+        state[at + "v_proj.weight"] = spread(state[at + "v_proj.weight"], kv_heads)
+        out_proj = state[at + "o_proj.weight"]
+        state[at + "o_proj.weight"] = spread(out_proj.t().contiguous(), heads).t().contiguous()
+    config.head_dim = head_dim
+    wide_model = type(model)(config).float()
+    wide_model.load_state_dict(state)
+    wide_model.generation_config = model.generation_config
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    return save_atomically(out_dir, wide_model, tokenizer)
+
+
 def random_model(
     *,
     vocab_size: int,

@@ -39,8 +39,10 @@ EXPERT_SCALE = 10.0
 EMBEDDING_SCALE = 4.0
 
 
-def write_tiny_moe(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write the tiny MoE model to ``out_dir`` (replacing it atomically); return the path."""
+def write_tiny_moe(out_dir: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
+    """Write the tiny MoE model to ``out_dir`` (replacing it atomically); return the path.
+    ``head_dim``: its four attention heads' width (16 shipped; 32 for vLLM's CPU attention,
+    which takes no narrower ones: another model, drawn from the same seed)."""
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tokenizer: Any = AutoTokenizer.from_pretrained(SHIPPED_TINY_MODEL)
@@ -54,7 +56,7 @@ def write_tiny_moe(out_dir: Path, *, seed: int = 0) -> Path:
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         num_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
         norm_topk_prob=True,

@@ -73,6 +73,15 @@ def image_processor_config() -> dict[str, Any]:
     }
 
 
+def mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE's split of the ``head_dim / 2`` rotary frequencies over (time, height, width):
+    [2, 3, 3] for 16, [6, 5, 5] for 32 (Qwen-VL's proportions, time taking the rest)."""
+    spatial = (head_dim // 2) * 5 // 16
+    if head_dim == 16:
+        return [2, 3, 3]
+    return [head_dim // 2 - 2 * spatial, spatial, spatial]
+
+
 def tiny_vlm_tokenizer() -> Any:
     """The tiny text model's tokenizer with the vision tokens and Qwen3-VL's template."""
     from transformers import AutoTokenizer
@@ -83,8 +92,10 @@ def tiny_vlm_tokenizer() -> Any:
     return tokenizer
 
 
-def write_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write the tiny VLM to ``out_dir`` (replacing it atomically) and return the path."""
+def write_tiny_vlm(out_dir: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
+    """Write the tiny VLM to ``out_dir`` (replacing it atomically) and return the path.
+    ``head_dim``: its text model's attention heads' width (16 shipped; 32 for vLLM's CPU
+    attention, which takes no narrower ones: another model, drawn from the same seed)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tokenizer = tiny_vlm_tokenizer()
@@ -99,13 +110,12 @@ def write_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": head_dim,
             "max_position_embeddings": CONTEXT_WINDOW,
-            # M-RoPE over (time, height, width): 2 + 3 + 3 = head_dim / 2 frequencies.
             "rope_scaling": {
                 "rope_type": "default",
                 "rope_theta": 1_000_000.0,
-                "mrope_section": [2, 3, 3],
+                "mrope_section": mrope_section(head_dim),
                 "mrope_interleaved": True,
             },
             "tie_word_embeddings": True,

@@ -393,3 +393,34 @@ def test_save_atomically_replaces_a_checkpoint_whole(
     tiny_model.save_atomically(out, _Saved("new.json", "2"), _Saved("tokenizer.json", "t"))
     assert sorted(p.name for p in out.iterdir()) == ["new.json", "tokenizer.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_widened_heads_compute_the_same_function(tmp_path: Path) -> None:
+    """The shipped model with heads 32 wide (what vLLM's CPU attention takes) gives the
+    shipped model's logprobs within float rounding, on a sequence long enough for RoPE's
+    slow frequencies to matter."""
+    from rollout_relay.cli import main
+
+    assert main(["tiny-model", "--head-dim", "32", str(tmp_path / "wide")]) == 0
+    shipped = AutoModelForCausalLM.from_pretrained(tiny_model.SHIPPED_TINY_MODEL)
+    wide = AutoModelForCausalLM.from_pretrained(tmp_path / "wide")
+    assert (wide.config.head_dim, wide.config.num_attention_heads) == (32, 4)
+    ids = torch.randint(
+        0, shipped.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        a = shipped(ids).logits.log_softmax(-1)
+        b = wide(ids).logits.log_softmax(-1)
+    assert (a - b).abs().max().item() < 1e-4
+    tokenizer = tmp_path / "wide" / "tokenizer.json"
+    assert tokenizer.read_bytes() == (tiny_model.SHIPPED_TINY_MODEL / "tokenizer.json").read_bytes()
+
+
+def test_widening_refuses_what_it_cannot_keep(tmp_path: Path) -> None:
+    """A head size that is not a multiple of the model's, or --head-dim with options of a
+    trained model, is refused."""
+    from rollout_relay.cli import main
+
+    with pytest.raises(ValueError, match="not a multiple"):
+        tiny_model.widen_heads(tiny_model.SHIPPED_TINY_MODEL, tmp_path / "w", head_dim=24)
+    assert main(["tiny-model", "--head-dim", "32", "--seed", "3", str(tmp_path / "w")]) == 2

@@ -85,3 +85,9 @@ def test_the_cli_writes_one(tmp_path: Path) -> None:
     """``rollout-relay tiny-model --moe DIR`` writes a model with routers."""
     assert main(["tiny-model", "--moe", str(tmp_path / "moe")]) == 0
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_the_cli_writes_one_vllm_runs(tmp_path: Path) -> None:
+    """``--head-dim 32`` gives the MoE heads vLLM's CPU attention takes."""
+    assert main(["tiny-model", "--moe", "--head-dim", "32", str(tmp_path / "moe")]) == 0
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["head_dim"] == 32

@@ -202,3 +202,12 @@ def test_the_cli_writes_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     config = json.loads((tmp_path / "vlm" / "config.json").read_text())
     assert config["model_type"] == "qwen3_vl"
     assert (tmp_path / "vlm" / "preprocessor_config.json").is_file()
+
+
+def test_the_cli_writes_one_vllm_runs(tmp_path: Path) -> None:
+    """``--head-dim 32`` gives the VLM's text model heads vLLM's CPU attention takes, with
+    M-RoPE sections that add up to half of them."""
+    assert main(["tiny-model", "--vlm", "--head-dim", "32", str(tmp_path / "vlm")]) == 0
+    text = json.loads((tmp_path / "vlm" / "config.json").read_text())["text_config"]
+    assert text["head_dim"] == 32
+    assert text["rope_parameters"]["mrope_section"] == [6, 5, 5]
