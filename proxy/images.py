@@ -13,7 +13,8 @@ What is checked, each refusal an ``ImageError`` (400) whose ``code`` says why:
   or a truncated one);
 * bytes per image, pixels per image and images per request stay within ``ImageLimits``
   (``image_too_large``, ``too_many_images``); the pixel count is read from the header before
-  anything is decoded, so a small file that claims to be huge costs nothing;
+  anything is decoded, so a small file that claims to be huge costs nothing; an image
+  within the limits is then decoded whole off the event loop, a bounded number at once;
 * a URL is fetched only when the operator allowed its host (``--image-url-allow``), within
   the byte limit and a time limit, following redirects only to allowed hosts
   (``image_url_not_allowed``, ``image_fetch_failed``): an agent in a sandbox must not be able
@@ -25,20 +26,26 @@ learnt of each image by hash, so an image is decoded once, not every turn.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import enum
 import hashlib
 import io
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from yarl import URL
 
 from proxy.chat.messages import ImagePart
 from proxy.exceptions import ImageError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 __all__ = [
     "ImageChecker",
@@ -48,6 +55,7 @@ __all__ = [
     "ImageLimits",
     "MediaType",
     "RemoteImageNeeded",
+    "UndecodableImage",
     "parse_data_url",
 ]
 
@@ -120,15 +128,33 @@ def decode_base64(payload: str) -> bytes:
         raise ImageError(f"the image's base64 data is not valid: {exc}") from None
 
 
+class UndecodableImage(Exception):
+    """Raised by ``ImageChecker.decode`` for an image whose header was taken but whose data
+    does not decode (truncated, corrupt): ``error`` is its refusal, for the caller to name
+    by where the request holds the image."""
+
+    def __init__(self, sha256: str, error: ImageError) -> None:
+        super().__init__(error.message)
+        self.sha256 = sha256
+        self.error = error
+
+
 class ImageChecker:
     """Checks images against the limits, remembering (by hash, ``memory`` images at most)
-    the format and size of each image it took, so that a screenshot repeated in every
-    turn's history is decoded once."""
+    the format and size of each image it decoded whole, so that a screenshot repeated in
+    every turn's history is decoded once.
+
+    Taking an image has two steps: ``check`` reads its header (format, size) and applies
+    the limits, cheaply, on the event loop; ``decode`` then decodes the images not decoded
+    before, off the event loop (see ``DECODERS``), to refuse truncated or corrupt ones."""
 
     def __init__(self, limits: ImageLimits, memory: int = 4096) -> None:
         self.limits = limits
         self.memory = memory
         self._known: OrderedDict[str, tuple[MediaType, int, int]] = OrderedDict()
+        # Decodes under way, by sha256: a request that brings an image being decoded for
+        # another waits for that decode.
+        self._decoding: dict[str, asyncio.Future[None]] = {}
 
     def __repr__(self) -> str:
         return f"<ImageChecker {len(self._known)} known>"
@@ -141,7 +167,9 @@ class ImageChecker:
             )
 
     def check(self, data: bytes) -> ImageData:
-        """The image ``data`` is, or an ``ImageError`` saying why it is not taken."""
+        """What ``data`` is by its header, or an ``ImageError`` saying why it is not taken.
+        Nothing is decoded: whether the whole image decodes is for ``decode`` to say (an
+        image decoded before is known whole)."""
         if self.limits.max_bytes and len(data) > self.limits.max_bytes:
             raise ImageError(
                 f"an image of {len(data)} bytes is over the limit of {self.limits.max_bytes}",
@@ -150,39 +178,159 @@ class ImageChecker:
         digest = hashlib.sha256(data).hexdigest()
         known = self._known.get(digest)
         if known is None:
-            known = self._inspect(data)
-            self._known[digest] = known
-            while len(self._known) > self.memory:
-                self._known.popitem(last=False)
+            known = _header(data, self.limits.max_pixels)
         else:
             self._known.move_to_end(digest)
         media_type, width, height = known
         return ImageData(digest, media_type, width, height, data)
 
-    def _inspect(self, data: bytes) -> tuple[MediaType, int, int]:
-        from PIL import Image, UnidentifiedImageError
-
+    async def take(self, data: bytes) -> ImageData:
+        """``check`` and ``decode`` one image."""
+        image = self.check(data)
         try:
-            with Image.open(io.BytesIO(data)) as image:
-                media_type = _FORMATS.get(image.format or "")
-                if media_type is None:
-                    raise ImageError(
-                        f"images in {image.format} are not taken; send PNG, JPEG, WebP or GIF",
-                        code="unsupported_image_format",
-                    )
-                width, height = image.size
-                if self.limits.max_pixels and width * height > self.limits.max_pixels:
-                    raise ImageError(
-                        f"an image of {width}x{height} pixels is over the limit of "
-                        f"{self.limits.max_pixels} pixels",
-                        code="image_too_large",
-                    )
-                image.load()  # the whole image decodes: not truncated, not corrupt
-        except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
-            raise ImageError(f"the image data is not an image that can be read: {exc}") from None
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise ImageError(f"the image data is corrupt: {exc}") from None
-        return media_type, width, height
+            await self.decode([image])
+        except UndecodableImage as bad:
+            raise bad.error from None
+        return image
+
+    async def decode(self, images: Iterable[ImageData]) -> None:
+        """Decode, off the event loop, each of ``images`` not decoded before; raises
+        ``UndecodableImage`` for one that does not decode whole."""
+        pending = {i.sha256: i for i in images if i.sha256 not in self._known}
+        if not pending:
+            return
+        results = await asyncio.gather(
+            *(self._decode(image) for image in pending.values()), return_exceptions=True
+        )
+        for image, result in zip(pending.values(), results, strict=True):
+            if isinstance(result, ImageError):
+                raise UndecodableImage(image.sha256, result)
+            if isinstance(result, BaseException):
+                raise result
+            self._known[image.sha256] = (image.media_type, image.width, image.height)
+            while len(self._known) > self.memory:
+                self._known.popitem(last=False)
+
+    async def _decode(self, image: ImageData) -> None:
+        running = self._decoding.get(image.sha256)
+        if running is None:
+            running = asyncio.get_running_loop().run_in_executor(
+                _decoders(), _decode_whole, image.data
+            )
+            self._decoding[image.sha256] = running
+            running.add_done_callback(lambda _: self._decoding.pop(image.sha256, None))
+        # A request that leaves does not stop a decode another request may be waiting for.
+        await asyncio.shield(running)
+
+
+# At most this many images decode at once, each in a thread of its own, off the event loop
+# (Pillow's decoders release the GIL): a decode holds the whole image, up to
+# --max-image-pixels x 4 bytes (256 MB at the default limit), so this bounds the memory
+# decoding takes as well as the cores. The header check before it costs next to nothing.
+DECODERS = 2
+_decoder_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _decoders() -> concurrent.futures.ThreadPoolExecutor:
+    global _decoder_pool
+    if _decoder_pool is None:
+        _decoder_pool = concurrent.futures.ThreadPoolExecutor(
+            DECODERS, thread_name_prefix="image-decode"
+        )
+    return _decoder_pool
+
+
+def _open(data: bytes) -> PILImage:
+    """``data`` opened (only its header is read) as one of the formats taken, by Pillow's
+    readers of those formats alone: no other reader looks at an agent's bytes."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data), formats=list(_FORMATS))
+
+
+def _header(data: bytes, max_pixels: int) -> tuple[MediaType, int, int]:
+    """The format and size ``data``'s header gives, within ``max_pixels``."""
+    from PIL import Image, UnidentifiedImageError
+
+    _keep_pillow_cap_at_least(max_pixels)
+    try:
+        with _open(data) as image:
+            media_type = _FORMATS.get(image.format or "")
+            width, height = image.size
+            if media_type is None:  # a reader of a format taken read it as another
+                raise ImageError(
+                    f"images in {image.format} are not taken; send PNG, JPEG, WebP or GIF",
+                    code="unsupported_image_format",
+                )
+    except UnidentifiedImageError:
+        other = _other_format(data)
+        if other is not None:
+            raise ImageError(
+                f"images in {other} are not taken; send PNG, JPEG, WebP or GIF",
+                code="unsupported_image_format",
+            ) from None
+        raise ImageError("the image data is not an image that can be read") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        # Pillow's own cap, never below the limit: the header claims far more pixels.
+        raise ImageError(
+            f"an image of more than {Image.MAX_IMAGE_PIXELS} pixels is over the limit of "
+            f"{max_pixels or Image.MAX_IMAGE_PIXELS} pixels",
+            code="image_too_large",
+        ) from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ImageError(f"the image data is corrupt: {exc}") from None
+    if max_pixels and width * height > max_pixels:
+        raise ImageError(
+            f"an image of {width}x{height} pixels is over the limit of {max_pixels} pixels",
+            code="image_too_large",
+        )
+    return media_type, width, height
+
+
+def _decode_whole(data: bytes) -> None:
+    """Decode ``data`` whole (its first frame), or raise an ``ImageError``: not truncated,
+    not corrupt. Runs in a decoder thread, after ``_header`` took the image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with _open(data) as image:
+            image.load()
+    except (UnidentifiedImageError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"the image data is not an image that can be read: {exc}") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ImageError(f"the image data is corrupt: {exc}") from None
+
+
+def _keep_pillow_cap_at_least(max_pixels: int) -> None:
+    """Pillow refuses, as it opens them, images of more than twice its own cap
+    (``Image.MAX_IMAGE_PIXELS``, ~89 million; a ``DecompressionBombError`` in its words). The
+    cap is raised to the proxy's limit where the limit is higher, so that Pillow never
+    refuses an image the limit takes: the limit decides, and says so. It is never lowered
+    (it is the whole process's)."""
+    from PIL import Image
+
+    cap = Image.MAX_IMAGE_PIXELS
+    if max_pixels and cap is not None and cap < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+def _other_format(data: bytes) -> str | None:
+    """The image format not taken whose signature ``data`` starts with (BMP, TIFF, ...),
+    told by Pillow's signature checks alone: the bytes are not parsed."""
+    from PIL import Image
+
+    Image.init()
+    prefix = data[:16]
+    for name in Image.ID:
+        accept = Image.OPEN[name][1]
+        if name in _FORMATS or accept is None:
+            continue
+        try:
+            if accept(prefix):
+                return name
+        except Exception:  # a signature check that cannot read a prefix this short
+            continue
+    return None
 
 
 class ImageFetcher:
@@ -245,7 +393,8 @@ class ImageFetcher:
                                 f"image URL {_shown(url)} answered {response.status}",
                                 code="image_fetch_failed",
                             )
-                        return self.checker.check(await _read(response, url, limit))
+                        data = await _read(response, url, limit)
+                        return await self.checker.take(data)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ImageError(
                 f"image URL {_shown(url)} could not be fetched: {type(exc).__name__}",
@@ -290,12 +439,16 @@ class RemoteImageNeeded(Exception):
 class ImageIntake:
     """One request's images, taken as its messages are converted: each image part becomes
     an ``ImagePart`` (the message's reference, by hash) and its bytes land in ``images``,
-    checked. ``fetched`` holds the request's remote images already fetched, by URL."""
+    their headers checked (the caller decodes them, ``ImageChecker.decode``). ``fetched``
+    holds the request's remote images already fetched (and decoded), by URL."""
 
     def __init__(self, checker: ImageChecker) -> None:
         self.checker = checker
         self.images: dict[str, ImageData] = {}
         self.fetched: dict[str, ImageData] = {}
+        # Images whose header was taken but whose data did not decode, by sha256: raised
+        # where the request holds them when its messages are converted again.
+        self.refused: dict[str, ImageError] = {}
 
     def __repr__(self) -> str:
         return f"<ImageIntake {len(self.images)} images>"
@@ -322,7 +475,11 @@ class ImageIntake:
         return self.bytes(decode_base64(payload))
 
     def bytes(self, data: bytes) -> ImagePart:
-        return self._took(self.checker.check(data))
+        image = self.checker.check(data)
+        refused = self.refused.get(image.sha256)
+        if refused is not None:
+            raise refused
+        return self._took(image)
 
     def _took(self, image: ImageData) -> ImagePart:
         self.images[image.sha256] = image

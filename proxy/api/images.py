@@ -2,8 +2,9 @@
 
 Conversion is synchronous and reuses what the session's history memory converted before;
 this loop around it fetches the remote images conversion asks for, counts the request's
-images, and makes sure the bytes of every image the messages name are at hand: taken by
-this request, or recorded by an earlier turn of the session. A message the memory kept
+images, decodes the new ones off the event loop (conversion reads only their headers), and
+makes sure the bytes of every image the messages name are at hand: taken by this request,
+or recorded by an earlier turn of the session. A message the memory kept
 from a request that was refused before its turn was recorded names an image whose bytes
 were never kept; the memory is then forgotten and the body converted whole.
 """
@@ -17,7 +18,14 @@ from typing import Protocol, TypeVar
 
 from proxy.chat.messages import ChatMessage, ImagePart
 from proxy.exceptions import BadRequestError, ImageError
-from proxy.images import ImageChecker, ImageData, ImageFetcher, ImageIntake, RemoteImageNeeded
+from proxy.images import (
+    ImageChecker,
+    ImageData,
+    ImageFetcher,
+    ImageIntake,
+    RemoteImageNeeded,
+    UndecodableImage,
+)
 from proxy.sessions.model import Session
 
 __all__ = ["ImageSources", "image_at", "message_parts", "take_images"]
@@ -118,6 +126,19 @@ async def take_images(
         sources.checker.check_count(len(named))
         held = session.images
         if all(i.sha256 in intake.images or i.sha256 in held for i in named):
+            try:
+                # Off the event loop; an image the session recorded was decoded then.
+                await sources.checker.decode(
+                    image for sha, image in intake.images.items() if sha not in held
+                )
+            except UndecodableImage as bad:
+                if bad.sha256 in intake.refused:  # pragma: no cover - named where it is
+                    raise bad.error from None
+                # Converted again, the request raises the refusal where it holds the
+                # image (the memory, which may have kept its message, converts it anew).
+                intake.refused[bad.sha256] = bad.error
+                session.history.forget()
+                continue
             return fields, messages, intake.images
         if forgot:  # pragma: no cover - a whole conversion takes every image it names
             raise ImageError("an image of the request could not be read again")

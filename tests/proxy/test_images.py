@@ -4,15 +4,20 @@ included."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from proxy.exceptions import ImageError
 from proxy.images import (
+    DECODERS,
     ImageChecker,
     ImageFetcher,
     ImageLimits,
@@ -68,10 +73,10 @@ def test_other_formats_are_refused(fmt: str) -> None:
     ],
     ids=["text", "truncated", "empty"],
 )
-def test_bytes_that_are_no_whole_image_are_refused(data: bytes, match: str) -> None:
+async def test_bytes_that_are_no_whole_image_are_refused(data: bytes, match: str) -> None:
     """Bytes that are not an image, and an image cut short, are refused."""
     with pytest.raises(ImageError, match=match) as caught:
-        checker().check(data)
+        await checker().take(data)
     assert caught.value.code == "invalid_image"
 
 
@@ -95,8 +100,6 @@ def test_the_limits_on_bytes_pixels_and_count() -> None:
 
 def test_the_pixel_limit_is_read_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     """A header that claims too many pixels is refused without decoding the image."""
-    from PIL import ImageFile
-
     data = encoded((640, 480))
     decoded: list[bool] = []
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(True))
@@ -105,23 +108,94 @@ def test_the_pixel_limit_is_read_before_decoding(monkeypatch: pytest.MonkeyPatch
     assert decoded == []
 
 
-def test_an_image_seen_before_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same bytes in a later turn's history are taken from memory, not decoded again;
-    other bytes are, and the memory keeps only the most recent images."""
+async def test_an_image_seen_before_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes in a later turn's history are taken from memory, neither opened nor
+    decoded again; other bytes are, and the memory keeps only the most recent images."""
     opened: list[int] = []
-    real = Image.open
+    decoded: list[int] = []
+    real_open, real_load = Image.open, ImageFile.ImageFile.load
 
-    def counting(*args: object, **kwargs: object) -> Image.Image:
+    def counting_open(*args: Any, **kwargs: Any) -> Image.Image:
         opened.append(1)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real_open(*args, **kwargs)
+
+    def counting_load(self: ImageFile.ImageFile) -> Any:
+        decoded.append(1)
+        return real_load(self)
 
     first, second, third = encoded((10, 10)), encoded((11, 11)), encoded((12, 12))
-    monkeypatch.setattr(Image, "open", counting)
+    monkeypatch.setattr(Image, "open", counting_open)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counting_load)
     memory = ImageChecker(ImageLimits(), memory=2)
     for data in (first, first, second, first, third, first, second):
-        memory.check(data)
-    # first, second, (first remembered), third evicts second, (first), second again.
-    assert len(opened) == 4
+        await memory.take(data)
+    # first, second, (first remembered), third evicts second, (first), second again:
+    # each of the four opened for its header, then to decode.
+    assert len(decoded) == 4
+    assert len(opened) == 8
+
+
+async def test_decoding_runs_off_the_event_loop_two_images_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Images are decoded in threads, never on the event loop's, and no more than
+    ``DECODERS`` at once (what decoding holds in memory is bounded with them)."""
+    real_load = ImageFile.ImageFile.load
+    threads: set[int] = set()
+    running: list[int] = [0, 0]  # now, most at once
+
+    def watched_load(self: ImageFile.ImageFile) -> Any:
+        threads.add(threading.get_ident())
+        running[0] += 1
+        running[1] = max(running[1], running[0])
+        try:
+            time.sleep(0.05)
+            return real_load(self)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", watched_load)
+    taking = checker()
+    images = await asyncio.gather(*(taking.take(encoded((20 + i, 20))) for i in range(6)))
+    assert [i.width for i in images] == [20 + i for i in range(6)]
+    assert threads
+    assert threading.get_ident() not in threads
+    assert running[1] <= DECODERS
+
+
+async def test_a_pixel_limit_above_pillows_own_cap_is_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pillow refuses images over twice its own cap as it opens them; a limit above that
+    cap takes the images it allows, and one over the limit is refused by the limit
+    (``image_too_large``), never as an unreadable image in Pillow's words."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    data = encoded((64, 48))  # 3072 pixels: more than twice the cap
+    assert (await checker(max_pixels=64 * 48).take(data)).width == 64
+    for limit, size in ((2000, (64, 48)), (2000, (100, 100))):
+        with pytest.raises(ImageError, match="over the limit of 2000 pixels") as caught:
+            await checker(max_pixels=limit).take(encoded(size))
+        assert caught.value.code == "image_too_large"
+
+
+def test_only_the_readers_of_the_formats_taken_read_an_agents_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A BMP is refused as a format not taken, told by its signature: Pillow's BMP
+    reader never parses it."""
+    Image.init()
+    factory, accept = Image.OPEN["BMP"]
+    parsed: list[int] = []
+
+    def spy(*args: Any) -> Any:
+        parsed.append(1)
+        return factory(*args)
+
+    monkeypatch.setitem(Image.OPEN, "BMP", (spy, accept))
+    with pytest.raises(ImageError, match="BMP") as caught:
+        checker().check(encoded(fmt="BMP"))
+    assert caught.value.code == "unsupported_image_format"
+    assert parsed == []
 
 
 @pytest.mark.parametrize(

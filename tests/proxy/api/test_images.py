@@ -6,11 +6,13 @@ API format that records nothing and, for a URL not allowed, sends nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,6 +344,47 @@ async def test_a_screenshot_in_a_remembered_history_is_not_converted_again(api: 
     assert converted[0].parts == ("look", part(SHOT))
 
 
+# ------------------------------------------------------------------ the event loop
+
+
+@pytest.fixture(scope="module")
+def heavy() -> list[bytes]:
+    """Three small PNGs that decode to 4000x4000 pixels each (within the default limits)."""
+    return [encoded((4000, 4000)) for _ in range(3)]
+
+
+async def test_heavy_images_are_decoded_while_the_event_loop_goes_on(heavy: list[bytes]) -> None:
+    """A request whose images take long to decode does not stop the event loop: a
+    heartbeat beside it never waits as long as one of the images takes to decode alone
+    (decoded on the loop, the three of them would stop it about three times as long)."""
+    started = time.perf_counter()
+    with Image.open(io.BytesIO(heavy[0])) as image:
+        image.load()
+    alone = time.perf_counter() - started
+    distinct = [data + bytes([i]) for i, data in enumerate(heavy)]  # three sha256s
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    beating = asyncio.create_task(heartbeat())
+    await asyncio.sleep(0.02)
+    try:
+        _, images = await _take(
+            OPENAI, OPENAI.user([OPENAI.image_url(data_url(d)) for d in distinct])
+        )
+        await asyncio.sleep(0.02)  # the heartbeat sees the gap the request left, if any
+    finally:
+        beating.cancel()
+    assert len(images) == 3
+    assert max(gaps) < alone, (max(gaps), alone)
+
+
 # --------------------------------------------------------------- the real app, refusals
 
 
@@ -395,6 +438,7 @@ def _refusals(host: ImageHost) -> list[tuple[str, str, str, str]]:
     return [
         ("bad base64", "data:image/png;base64,!!not base64!!", "invalid_image", "base64"),
         ("not an image", data_url(b"just some text", "image/png"), "invalid_image", "not an image"),
+        ("truncated", data_url(SHOT[: len(SHOT) // 2]), "invalid_image", "corrupt"),
         ("bmp", data_url(encoded(fmt="BMP"), "image/bmp"), "unsupported_image_format", "BMP"),
         ("over max bytes", data_url(big), "image_too_large", "bytes"),
         ("over max pixels", data_url(encoded((200, 60))), "image_too_large", "200x60 pixels"),
