@@ -132,7 +132,8 @@ async def chat(trial: TrialSession, messages: list[dict[str, Any]], *, stream: b
 
 
 async def new_trial(client: ProxyClient) -> TrialSession:
-    return await client.create_session(sampling={"temperature": 1.0, "top_p": 1.0})
+    """A trial whose every turn samples from the same seed: replies are reproducible."""
+    return await client.create_session(sampling={"temperature": 1.0, "top_p": 1.0, "seed": 7})
 
 
 async def image_bytes(running: RunningProxy, trial: str, digest: str) -> tuple[int, str, bytes]:

@@ -56,6 +56,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    placeholder_ids,
     refuse_routing,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
@@ -145,8 +146,12 @@ class HFEngine:
         self.device = device
         self.image_processor = image_processor
         image_token = None
+        self._never_sampled: Any = None  # a tensor of the ids sampling leaves out
         if image_processor is not None:
             image_token = int(model.config.image_token_id)
+            import torch
+
+            self._never_sampled = torch.tensor(placeholder_ids(model.config), device=device)
         # A mixture-of-experts model's routers: its routing is captured where asked. One
         # whose routers cannot be read (find_routers refuses it) is served without routing.
         try:
@@ -402,11 +407,14 @@ class HFEngine:
         import torch
 
         raw = torch.log_softmax(logits, dim=-1)
+        allowed = logits
+        if self._never_sampled is not None:
+            allowed = logits.index_fill(0, self._never_sampled, float("-inf"))
         if sampling.temperature < _GREEDY_BELOW:
-            token = int(torch.argmax(logits))
+            token = int(torch.argmax(allowed))
             processed = raw
         else:
-            scaled = logits / sampling.temperature
+            scaled = allowed / sampling.temperature
             if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
                 kth = torch.topk(scaled, sampling.top_k).values[-1]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))

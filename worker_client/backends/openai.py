@@ -92,6 +92,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    placeholder_ids,
     refuse_routing,
 )
 from worker_client.exceptions import (
@@ -116,9 +117,13 @@ _FINISH: dict[str, FinishReason] = {
 
 
 def completion_request(
-    model: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    model: str,
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams,
+    never_sampled: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` body for one generation."""
+    """The ``/v1/completions`` body for one generation; ``never_sampled`` ids get the
+    lowest ``logit_bias`` the API takes."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": id_list(prompt_ids),
@@ -136,7 +141,16 @@ def completion_request(
         body["seed"] = sampling.seed
     if sampling.stop_token_ids:
         body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if never_sampled:
+        body["logit_bias"] = never_sampled_bias(never_sampled)
     return body
+
+
+def never_sampled_bias(ids: Sequence[int]) -> dict[str, float]:
+    """``logit_bias`` that keeps ``ids`` from being sampled: -100, the lowest OpenAI's
+    API (and vLLM's and SGLang's) takes, leaves each a probability below e^-100 of the
+    best token's."""
+    return {str(i): -100.0 for i in ids}
 
 
 def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:
@@ -169,10 +183,12 @@ def sglang_generate_request(
     image_token_id: int | None,
     sampling: SamplingParams,
     routed_experts_start: int | None = None,
+    never_sampled: Sequence[int] = (),
 ) -> dict[str, Any]:
     """SGLang's native ``/generate`` body for a prompt with images (``prompt_ids`` expanded
     as the proxy sends them; the body holds one placeholder per image), or without any.
-    ``routed_experts_start``: return the routing rows from that prompt position on."""
+    ``routed_experts_start``: return the routing rows from that prompt position on;
+    ``never_sampled``: ids kept from being sampled (``logit_bias``)."""
     ordered = sorted(images, key=lambda span: span.start)
     params: dict[str, Any] = {
         "max_new_tokens": sampling.max_tokens,
@@ -186,6 +202,8 @@ def sglang_generate_request(
         params["sampling_seed"] = sampling.seed
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if never_sampled:
+        params["logit_bias"] = never_sampled_bias(never_sampled)
     body: dict[str, Any] = {"input_ids": id_list(prompt_ids)}
     if ordered:
         if image_token_id is None:
@@ -354,10 +372,14 @@ class OpenAIEngine(StagedPath):
         routing_api: str | None = None,
         routing_layers: list[int] | None = None,
         decoder_layers: int = 0,
+        never_sampled: Sequence[int] = (),
     ) -> None:
         """``routing_api``: the server that returns routing rows (its card has the
         routing shape); ``routing_layers`` of its ``decoder_layers`` decoder layers are the
-        mixture-of-experts ones (``OpenAIEngine.load`` reads both from ``config.json``)."""
+        mixture-of-experts ones (``OpenAIEngine.load`` reads both from ``config.json``).
+        ``never_sampled``: a vision-language model's placeholder tokens
+        (``engine.placeholder_ids``), which the upstream is asked never to sample."""
+        self.never_sampled = tuple(never_sampled)
         if routing_api is not None and routing_api not in ROUTING_APIS:
             raise EngineUnavailableError(
                 f"routing_api must be one of {', '.join(ROUTING_APIS)}, not {routing_api!r}"
@@ -426,11 +448,15 @@ class OpenAIEngine(StagedPath):
         routing: RoutingShape | None = None
         layers: list[int] | None = None
         decoder_layers = 0
+        config: dict[str, Any] = {}
+        try:
+            config = json.loads((path / "config.json").read_text())
+            unreadable = None
+        except (OSError, ValueError) as exc:
+            unreadable = exc
         if window is None or images_api is not None or routing_api is not None:
-            try:
-                config = json.loads((path / "config.json").read_text())
-            except (OSError, ValueError) as exc:
-                raise EngineUnavailableError(f"{path}: no readable config.json: {exc}") from exc
+            if unreadable is not None:
+                raise EngineUnavailableError(f"{path}: no readable config.json: {unreadable}")
             if window is None:
                 window = int(config.get("max_position_embeddings", 0)) or None
             if images_api is not None:
@@ -465,6 +491,7 @@ class OpenAIEngine(StagedPath):
             routing_api=routing_api,
             routing_layers=layers,
             decoder_layers=decoder_layers,
+            never_sampled=placeholder_ids(config) if isinstance(config, dict) else (),
         )
 
     @property
@@ -494,7 +521,7 @@ class OpenAIEngine(StagedPath):
                 await stream.aclose()
             return
         check_prompt(self._card, prompt_ids)
-        body = completion_request(self.upstream_model, prompt_ids, sampling)
+        body = completion_request(self.upstream_model, prompt_ids, sampling, self.never_sampled)
         if routing is not None:  # vLLM sends routing only in a whole response
             stream = self._whole(request_id, body, routing)
         else:
@@ -628,6 +655,7 @@ class OpenAIEngine(StagedPath):
             image_token,
             sampling,
             None if routing is None else routing.sent,
+            self.never_sampled,
         )
         events = SGLangStream(prompt_ids, routing)
         stream = self._stream(

@@ -83,12 +83,16 @@ def user(*parts: bytes | str) -> dict[str, Any]:
 
 
 async def sample(
-    engine: HFEngine, ids: Sequence[int], images: Sequence[ImageSpan], seed: int = 1
+    engine: HFEngine,
+    ids: Sequence[int],
+    images: Sequence[ImageSpan],
+    seed: int | None = 1,
+    temperature: float = 1.0,
 ) -> tuple[list[int], list[float]]:
-    sampling = SamplingParams(max_tokens=6, seed=seed)
+    sampling = SamplingParams(max_tokens=6, seed=seed, temperature=temperature)
     tokens: list[int] = []
     logprobs: list[float] = []
-    async for chunk in engine.generate(f"r{seed}", ids, sampling, images):
+    async for chunk in engine.generate(f"r{seed}-{temperature}", ids, sampling, images):
         tokens += chunk.token_ids
         logprobs += chunk.logprobs
     return tokens, logprobs
@@ -220,3 +224,30 @@ async def test_new_weights_load_into_a_vision_language_model(vlm: HFEngine, tmp_
     assert all(torch.equal(ours[name], p) for name, p in engine.model.named_parameters())
     await engine.close()
     await fresh.close()
+
+
+async def test_a_placeholder_token_is_never_sampled(vlm: HFEngine, tokenizer: Any) -> None:
+    """Even where the model puts nearly all its mass on its image and video placeholders,
+    the engine samples other tokens, greedy or not (a sampled placeholder, carried into
+    the next turn, would be counted as a media slot there); the recorded logprobs stay the
+    model's raw ones, which teacher forcing reproduces."""
+    config = vlm.model.config
+    placeholders = [config.image_token_id, config.video_token_id]
+
+    def favour_placeholders(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        output[..., placeholders] += 40.0
+        return output
+
+    prompt = Prompt(vlm, tokenizer, [user("What is in the picture?")])
+    hook = vlm.model.lm_head.register_forward_hook(favour_placeholders)
+    try:
+        for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+            tokens, logprobs = await sample(
+                vlm, prompt.ids, prompt.images, temperature=temperature, seed=seed
+            )
+            assert tokens
+            assert not set(tokens) & set(placeholders)
+            assert max(logprobs) < -20  # the placeholders' mass is still in the distribution
+            assert close(vlm.score(prompt.ids, tokens, prompt.images), logprobs)
+    finally:
+        hook.remove()

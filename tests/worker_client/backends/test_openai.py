@@ -25,9 +25,14 @@ from sdk.client import ProxyClient
 from sdk.fidelity import check_fidelity
 from tests.e2e.conftest import wait_until_joined, worker_command
 from worker_client.backends.hf import HFEngine
-from worker_client.backends.openai import OpenAIEngine, chunk_from_event
+from worker_client.backends.openai import (
+    OpenAIEngine,
+    chunk_from_event,
+    sglang_generate_request,
+)
 from worker_client.engine import FinishReason, SamplingParams, TokenChunk
 from worker_client.exceptions import EngineError, WeightsError
+from worker_client.tiny_vlm import SHIPPED_TINY_VLM
 
 PROMPT = [5, 17, 42, 9, 3]
 
@@ -127,6 +132,27 @@ async def test_length_and_errors(
         await _collect(broken, SamplingParams(max_tokens=2))
     await engine.close()
     await broken.close()
+
+
+async def test_a_vision_language_models_placeholders_are_never_sampled(
+    upstream: tuple[str, list[dict[str, Any]]], tiny_model_dir: Path
+) -> None:
+    """A vision-language model's image and video placeholders go to the upstream with the
+    lowest logit_bias, in every request (vLLM's completions and SGLang's /generate); a
+    text model's requests carry none."""
+    url, bodies = upstream
+    vlm = OpenAIEngine.load(SHIPPED_TINY_VLM, base_url=url, max_model_len=4096)
+    config = json.loads((SHIPPED_TINY_VLM / "config.json").read_text())
+    placeholders = {str(config["image_token_id"]), str(config["video_token_id"])}
+    await _collect(vlm, SamplingParams(max_tokens=1, seed=1))
+    await vlm.close()
+    assert bodies[-1]["logit_bias"] == dict.fromkeys(placeholders, -100.0)
+    native = sglang_generate_request(PROMPT, [], None, SamplingParams(max_tokens=1), None, (7,))
+    assert native["sampling_params"]["logit_bias"] == {"7": -100.0}
+    text = OpenAIEngine.load(tiny_model_dir, base_url=url)
+    await _collect(text, SamplingParams(max_tokens=1, seed=1))
+    await text.close()
+    assert "logit_bias" not in bodies[-1]
 
 
 def test_chunk_without_token_ids_is_refused() -> None:

@@ -55,6 +55,7 @@ SAMPLING_KEYS = {
     "skip_special_tokens",
     "no_stop_trim",
     "sampling_seed",
+    "logit_bias",
 }
 
 
@@ -235,6 +236,7 @@ async def test_images_go_to_sglang_generate(
         "no_stop_trim": True,
         "sampling_seed": 7,
         "stop_token_ids": [STOP],
+        "logit_bias": {str(PAD): -100.0},  # the placeholder is never sampled
     }
     assert body["return_logprob"] is True
     assert body["return_prompt_token_ids"] is True
