@@ -7,6 +7,7 @@ can be read in the viewer.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import tempfile
 from collections.abc import Callable
@@ -94,6 +95,14 @@ async def run_demo(
                 f"teacher forcing match their recorded logprobs within "
                 f"{report.max_abs_error:.1e}"
             )
+            if not report.ok():
+                # What a failure is diagnosed from: the episode as the trainer got it.
+                kept = Path(tempfile.gettempdir()) / "rollout-relay-demo-export.json"
+                kept.write_text(json.dumps(export))
+                say(
+                    f"  the largest gap is at (trajectory, response index) "
+                    f"{report.worst_position}; the export is kept in {kept}"
+                )
             viewer = f"{running.url}/ui/#{trial.trial_id}"
             if keep:
                 say(f"viewer: {viewer}  (the proxy stays up: Ctrl-C to stop)")
