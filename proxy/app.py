@@ -17,6 +17,7 @@ from proxy.cluster import forward_middleware, setup_cluster
 from proxy.coalesce import CoalesceMode, StreamCoalescer
 from proxy.config import ProxyConfig
 from proxy.durability import setup_durability
+from proxy.exceptions import ConfigurationError
 from proxy.images import ImageChecker, ImageFetcher, ImageLimits
 from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
 from proxy.limits import Limits
@@ -96,10 +97,16 @@ def build_app(config: ProxyConfig) -> web.Application:
             max_images=config.max_images,
         )
     )
-    app[IMAGES] = ImageSources(
-        checker,
-        ImageFetcher(config.image_url_allow, checker, timeout_seconds=config.image_fetch_seconds),
-    )
+    try:
+        fetcher = ImageFetcher(
+            config.image_url_allow,
+            checker,
+            timeout_seconds=config.image_fetch_seconds,
+            private_addresses=config.image_url_private_addresses,
+        )
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    app[IMAGES] = ImageSources(checker, fetcher)
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
     metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]), coalescer)
     app[SERVICE].metrics = metrics

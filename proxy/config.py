@@ -46,6 +46,9 @@ class ProxyConfig:
     # Images (proxy.images): the hosts http(s) image URLs may be fetched from (none: only
     # base64 images are taken), and what one image and one request may hold (0: no limit).
     image_url_allow: tuple[str, ...] = ()
+    # Whether an allowed host may be fetched at a loopback, private or link-local address
+    # (no flag: for tests, whose image hosts listen on loopback, and for embedding).
+    image_url_private_addresses: bool = False
     image_fetch_seconds: float = 10.0
     max_image_bytes: int = _IMAGES.max_bytes
     max_image_pixels: int = _IMAGES.max_pixels

@@ -33,12 +33,16 @@ import concurrent.futures
 import enum
 import hashlib
 import io
+import ipaddress
+import socket
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
 from yarl import URL
 
 from proxy.chat.messages import ImagePart
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
 __all__ = [
+    "AllowedHost",
     "ImageChecker",
     "ImageData",
     "ImageFetcher",
@@ -57,6 +62,7 @@ __all__ = [
     "RemoteImageNeeded",
     "UndecodableImage",
     "parse_data_url",
+    "public_address",
 ]
 
 
@@ -333,10 +339,93 @@ def _other_format(data: bytes) -> str | None:
     return None
 
 
+# The port a URL of each scheme reaches when the allowed host names none.
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(slots=True, frozen=True)
+class AllowedHost:
+    """One entry of ``--image-url-allow``: a host name (or, starting with a dot, every
+    subdomain of one) and the port allowed on it (None: the scheme's own, 80 or 443)."""
+
+    name: str
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> AllowedHost:
+        """``host``, ``.example.org``, ``host:8080``, ``[::1]:8080``; raises ValueError."""
+        text = entry.strip().lower()
+        name, port = text, None
+        if text.startswith("["):
+            name, bracket, rest = text[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError(f"image URL host {entry!r}: expected [address]:port")
+            port = rest[1:] or None
+        elif text.count(":") == 1:
+            name, _, port = text.partition(":")
+        if not name or any(c in name for c in "/@?#\\ "):
+            raise ValueError(f"image URL host {entry!r} is not a host name")
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"image URL host {entry!r}: the port must be 1 to 65535")
+        return cls(name, int(port) if port is not None else None)
+
+    def matches(self, url: URL) -> bool:
+        host = (url.host or "").lower()
+        if self.name.startswith("."):
+            named = host.endswith(self.name) and len(host) > len(self.name)
+        else:
+            named = host == self.name
+        wanted = self.port if self.port is not None else _DEFAULT_PORTS.get(url.scheme)
+        return named and url.port == wanted
+
+
+def public_address(address: str) -> bool:
+    """Whether ``address`` (an IP address) is on the public internet: not loopback,
+    private, link-local (where cloud metadata services answer, 169.254.169.254), shared,
+    reserved, multicast or unspecified, an IPv4 address mapped into IPv6 judged as
+    itself. ``ipaddress``'s registry of special-purpose ranges decides."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])  # an IPv6 zone is no part
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+class _AddressRefused(OSError):
+    """A host name resolved to no public address (raised inside aiohttp's connector)."""
+
+
+class _PublicResolver(AbstractResolver):
+    """aiohttp's resolver, keeping only the public addresses a name resolves to: the
+    connection is made to an address checked here, never to one looked up again."""
+
+    def __init__(self) -> None:
+        self._inner = DefaultResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        public = [entry for entry in found if public_address(entry["host"])]
+        if not public:
+            raise _AddressRefused(f"{host} resolves to no public address")
+        return public
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
 class ImageFetcher:
     """Fetches ``http(s)`` image URLs from the hosts the operator allowed, and from no
     other: a host is allowed by its exact name, or by a leading-dot suffix (``.example.org``
-    allows every subdomain). Redirects are followed by hand, each hop's host checked."""
+    allows every subdomain), on the port its scheme uses (80, 443) unless the entry names
+    one (``host:8080``). The address connected to is public (its name is resolved and
+    checked, and the connection made to the address checked), unless
+    ``private_addresses`` (tests on loopback; a host on the operator's own network).
+    Redirects are followed by hand, each hop checked alike, and never from https to
+    http."""
 
     def __init__(
         self,
@@ -345,48 +434,62 @@ class ImageFetcher:
         *,
         timeout_seconds: float = 10.0,
         max_redirects: int = 3,
+        private_addresses: bool = False,
     ) -> None:
-        self.allow = frozenset(host.strip().lower() for host in allow if host.strip())
+        self.allow = tuple(AllowedHost.parse(entry) for entry in allow if entry.strip())
         self.checker = checker
         self.timeout_seconds = timeout_seconds
         self.max_redirects = max_redirects
+        self.private_addresses = private_addresses
 
     def __repr__(self) -> str:
-        return f"<ImageFetcher allow={sorted(self.allow)}>"
+        shown = [f"{a.name}:{a.port}" if a.port else a.name for a in self.allow]
+        return f"<ImageFetcher allow={shown}>"
 
     def allows(self, url: URL) -> bool:
-        host = (url.host or "").lower()
-        if url.scheme not in ("http", "https") or not host:
-            return False
-        return host in self.allow or any(
-            pattern.startswith(".") and host.endswith(pattern) for pattern in self.allow
-        )
+        return self.refusal(url) is None
+
+    def refusal(self, url: URL, came_from: URL | None = None) -> str | None:
+        """Why ``url`` (reached by a redirect from ``came_from``) is not fetched, or None:
+        decided before anything is sent."""
+        host = url.host or ""
+        if (
+            url.scheme not in _DEFAULT_PORTS
+            or not host
+            or not any(entry.matches(url) for entry in self.allow)
+        ):
+            return (
+                "the proxy fetches images only from the hosts and ports its operator "
+                "allowed (--image-url-allow); send the image as base64"
+            )
+        if came_from is not None and came_from.scheme == "https" and url.scheme != "https":
+            return "a redirect from https to http is not followed"
+        if not self.private_addresses and _is_address(host) and not public_address(host):
+            return "the proxy fetches images from public addresses only"
+        return None
 
     async def fetch(self, text: str) -> ImageData:
         """The image at ``text``, or an ``ImageError``; nothing is sent to a host that is
         not allowed."""
-        url = URL(text)
-        if not self.allows(url):
+        try:
+            url = URL(text)
+        except ValueError as exc:
+            raise ImageError(f"the image URL is not a valid URL: {exc}") from None
+        refusal = self.refusal(url)
+        if refusal is not None:
             raise ImageError(
-                f"image URL {_shown(url)} is not fetched: the proxy fetches images only from "
-                "hosts its operator allowed (--image-url-allow); send the image as base64",
-                code="image_url_not_allowed",
+                f"image URL {_shown(url)} is not fetched: {refusal}", code="image_url_not_allowed"
             )
         timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
         limit = self.checker.limits.max_bytes
+        resolver = None if self.private_addresses else _PublicResolver()
+        connector = aiohttp.TCPConnector(resolver=resolver)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
                 for _ in range(self.max_redirects + 1):
                     async with session.get(url, allow_redirects=False) as response:
                         if response.status in (301, 302, 303, 307, 308):
-                            target = url.join(URL(response.headers.get("Location", "")))
-                            if not self.allows(target):
-                                raise ImageError(
-                                    f"image URL {_shown(url)} redirects to {_shown(target)}, "
-                                    "a host the proxy may not fetch from",
-                                    code="image_url_not_allowed",
-                                )
-                            url = target
+                            url = self._redirect(url, response.headers.get("Location", ""))
                             continue
                         if response.status != 200:
                             raise ImageError(
@@ -395,15 +498,59 @@ class ImageFetcher:
                             )
                         data = await _read(response, url, limit)
                         return await self.checker.take(data)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, _AddressRefused):
+                raise ImageError(
+                    f"image URL {_shown(url)} is not fetched: its host resolves to no public "
+                    "address, and the proxy fetches images from public addresses only",
+                    code="image_url_not_allowed",
+                ) from None
+            raise _fetch_failed(url, exc) from None
+        except aiohttp.InvalidURL:
             raise ImageError(
-                f"image URL {_shown(url)} could not be fetched: {type(exc).__name__}",
-                code="image_fetch_failed",
+                f"image URL {_shown(url)} is not a valid URL", code="image_url_not_allowed"
             ) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _fetch_failed(url, exc) from None
         raise ImageError(
             f"image URL {_shown(url)} redirects more than {self.max_redirects} times",
             code="image_fetch_failed",
         )
+
+    def _redirect(self, url: URL, location: str) -> URL:
+        """Where a redirect from ``url`` leads, if it may be followed."""
+        try:
+            target = url.join(URL(location))
+        except ValueError:
+            raise ImageError(
+                f"image URL {_shown(url)} redirects to an invalid URL",
+                code="image_url_not_allowed",
+            ) from None
+        refusal = self.refusal(target, came_from=url)
+        if refusal is not None:
+            raise ImageError(
+                f"image URL {_shown(url)} redirects to {_shown(target)}, which is not "
+                f"fetched: {refusal}",
+                code="image_url_not_allowed",
+            )
+        return target
+
+
+def _fetch_failed(url: URL, exc: BaseException) -> ImageError:
+    return ImageError(
+        f"image URL {_shown(url)} could not be fetched: {type(exc).__name__}",
+        code="image_fetch_failed",
+    )
+
+
+def _is_address(host: str) -> bool:
+    """Whether ``host`` is an IP address rather than a name (aiohttp connects to one
+    without resolving it)."""
+    try:
+        ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    return True
 
 
 async def _read(response: aiohttp.ClientResponse, url: URL, limit: int) -> bytes:

@@ -179,7 +179,9 @@ def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=[],
         metavar="HOST",
         help="hosts http(s) image URLs may be fetched from (repeatable): an exact host name, "
-        "or .example.org for its subdomains; none (the default): only base64 images",
+        "or .example.org for its subdomains, on port 80 (http) or 443 (https), or HOST:PORT "
+        "for that port; only at public addresses, never from https to http; none (the "
+        "default): only base64 images",
     )
     parser.add_argument(
         "--image-fetch-seconds",

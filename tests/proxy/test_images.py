@@ -23,6 +23,7 @@ from proxy.images import (
     ImageLimits,
     MediaType,
     parse_data_url,
+    public_address,
 )
 from tests.proxy.image_host import ImageHost, encoded, image_host
 
@@ -227,13 +228,15 @@ async def host() -> AsyncIterator[ImageHost]:
         yield state
 
 
-def fetcher(allow: list[str], **kwargs: float) -> ImageFetcher:
-    return ImageFetcher(allow, ImageChecker(ImageLimits(max_bytes=50_000)), **kwargs)  # type: ignore[arg-type]
+def fetcher(allow: list[str], *, private: bool = True, **kwargs: float) -> ImageFetcher:
+    """A fetcher of ``allow``; ``private``: loopback may be fetched (the image host's)."""
+    checker = ImageChecker(ImageLimits(max_bytes=50_000))
+    return ImageFetcher(allow, checker, private_addresses=private, **kwargs)  # type: ignore[arg-type]
 
 
 async def test_an_allowed_host_is_fetched(host: ImageHost) -> None:
     """An image URL on an allowed host is fetched and checked like inline data."""
-    image = await fetcher(["127.0.0.1"]).fetch(f"http://127.0.0.1:{host.port}/shot.png")
+    image = await fetcher([f"127.0.0.1:{host.port}"]).fetch(host.url("127.0.0.1", "/shot.png"))
     assert (image.width, image.height, image.media_type) == (64, 48, MediaType.PNG)
     assert host.served == ["127.0.0.1/shot.png"]
 
@@ -252,7 +255,7 @@ async def test_nothing_is_sent_to_a_host_not_allowed(
 ) -> None:
     """A URL on a host (or scheme) not allowed is refused without a single request."""
     with pytest.raises(ImageError, match="--image-url-allow") as caught:
-        await fetcher(["127.0.0.1"]).fetch(make_url(host.port))
+        await fetcher([f"127.0.0.1:{host.port}"]).fetch(make_url(host.port))
     assert caught.value.code == "image_url_not_allowed"
     assert host.served == []
 
@@ -269,10 +272,10 @@ async def test_a_redirect_to_a_host_not_allowed_is_not_followed(host: ImageHost)
     before that host is asked anything."""
     url = f"http://127.0.0.1:{host.port}/to/localhost/shot.png"
     with pytest.raises(ImageError, match="redirects to http://localhost") as caught:
-        await fetcher(["127.0.0.1"]).fetch(url)
+        await fetcher([f"127.0.0.1:{host.port}"]).fetch(url)
     assert caught.value.code == "image_url_not_allowed"
     assert host.served == ["127.0.0.1/to/localhost/shot.png"]
-    image = await fetcher(["127.0.0.1", "localhost"]).fetch(url)
+    image = await fetcher([f"127.0.0.1:{host.port}", f"localhost:{host.port}"]).fetch(url)
     assert image.width == 64
     assert host.served[-1] == "localhost/shot.png"
 
@@ -300,8 +303,115 @@ async def test_fetch_limits(host: ImageHost, path: str, match: str, code: str) -
     """A body over the byte limit, an error status, endless redirects and a slow host each
     end the fetch with a clear error."""
     with pytest.raises(ImageError, match=match) as caught:
-        await fetcher(["127.0.0.1"], timeout_seconds=0.5).fetch(
+        await fetcher([f"127.0.0.1:{host.port}"], timeout_seconds=0.5).fetch(
             f"http://127.0.0.1:{host.port}{path}?token=secret"
         )
     assert caught.value.code == code
     assert "secret" not in caught.value.message
+
+
+def test_a_host_is_allowed_on_its_schemes_port_unless_its_entry_names_one() -> None:
+    """``host`` allows http on 80 and https on 443 only; ``host:port`` that port only; a
+    bracketed IPv6 address takes a port too."""
+    from yarl import URL
+
+    plain = fetcher(["images.example.org"])
+    assert plain.allows(URL("https://images.example.org/a.png"))
+    assert plain.allows(URL("http://images.example.org:80/a.png"))
+    for other in ("https://images.example.org:8443/a.png", "http://images.example.org:443/a"):
+        assert not plain.allows(URL(other))
+    ported = fetcher(["images.example.org:8443", "[::1]:8080", ".cdn.example.net:81"])
+    assert ported.allows(URL("https://images.example.org:8443/a.png"))
+    assert not ported.allows(URL("https://images.example.org/a.png"))
+    assert ported.allows(URL("http://[::1]:8080/a.png"))
+    assert ported.allows(URL("http://a.cdn.example.net:81/a.png"))
+    assert not ported.allows(URL("http://cdn.example.net:81/a.png"))
+
+
+@pytest.mark.parametrize("entry", ["host:0", "host:99999", "host:http", "a/b", "[::1", "a@b"])
+def test_an_allow_entry_that_is_no_host_is_refused(entry: str) -> None:
+    """An ``--image-url-allow`` entry that names no host (or no port) is a setup error."""
+    with pytest.raises(ValueError, match="image URL host"):
+        fetcher([entry])
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("93.184.215.14", True),
+        ("2606:4700:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),  # cloud metadata
+        ("100.100.100.200", False),  # shared address space (a cloud's metadata)
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("::1", False),
+        ("fe80::1%eth0", False),
+        ("fd00:ec2::254", False),  # cloud metadata over IPv6
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:169.254.169.254", False),
+    ],
+)
+def test_only_public_addresses_are_fetched_from(address: str, public: bool) -> None:
+    """Loopback, private, link-local, shared, multicast and unspecified addresses (IPv4
+    mapped into IPv6 included) are not public."""
+    assert public_address(address) is public
+
+
+async def test_an_allowed_name_that_resolves_to_loopback_is_not_asked(host: ImageHost) -> None:
+    """By default an allowed host whose name resolves to a loopback address, or given as
+    one (in any spelling), is refused without a request: the address connected to is the
+    one checked."""
+    port = host.port
+    refusing = fetcher([f"localhost:{port}", f"127.0.0.1:{port}", f"127.1:{port}"], private=False)
+    for name in ("localhost", "127.0.0.1", "127.1"):
+        with pytest.raises(ImageError, match=r"not fetched|not a valid URL") as caught:
+            await refusing.fetch(host.url(name, "/shot.png"))
+        assert caught.value.code == "image_url_not_allowed", name
+    assert host.served == []
+
+
+async def test_a_port_not_allowed_is_not_asked(host: ImageHost) -> None:
+    """An allowed host on a port its entry does not name is refused without a request."""
+    with pytest.raises(ImageError, match="--image-url-allow") as caught:
+        await fetcher(["127.0.0.1"]).fetch(host.url("127.0.0.1", "/shot.png"))
+    assert caught.value.code == "image_url_not_allowed"
+    assert host.served == []
+
+
+def test_redirects_are_checked_like_urls_and_never_downgrade() -> None:
+    """A redirect is followed only to an allowed host and port, never from https to
+    http, and one to an invalid URL is refused."""
+    from yarl import URL
+
+    both = fetcher(["images.example.org", "images.example.org:8080"])
+    start = URL("https://images.example.org/a.png")
+    assert both.refusal(URL("https://images.example.org/b.png"), came_from=start) is None
+    for target, words in (
+        ("http://images.example.org/b.png", "from https to http"),
+        ("https://images.example.org:9/b.png", "--image-url-allow"),
+        ("http://images.example.org:8080/b.png", "from https to http"),
+    ):
+        assert words in (both.refusal(URL(target), came_from=start) or ""), target
+    assert (
+        both.refusal(
+            URL("http://images.example.org:8080/b.png"),
+            came_from=URL("http://images.example.org/a"),
+        )
+        is None
+    )
+    with pytest.raises(ImageError, match="redirects to an invalid URL") as caught:
+        both._redirect(start, "http://[::1/x.png")
+    assert caught.value.code == "image_url_not_allowed"
+
+
+@pytest.mark.parametrize("url", ["http://[::1/x.png", "http://a\\@b/x.png", "https://h:99999/x"])
+async def test_a_malformed_url_is_a_refusal(url: str) -> None:
+    """A URL that does not parse is refused as an invalid image, not an internal error."""
+    with pytest.raises(ImageError, match="not a valid URL") as caught:
+        await fetcher(["127.0.0.1"]).fetch(url)
+    assert caught.value.code == "invalid_image"
+    assert caught.value.status == 400

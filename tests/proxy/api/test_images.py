@@ -155,7 +155,9 @@ APIS = [pytest.param(api, id=api.name) for api in (OPENAI, ANTHROPIC, RESPONSES)
 
 def _sources(allow: tuple[str, ...] = (), **limits: int) -> ImageSources:
     checker = ImageChecker(ImageLimits(**limits))
-    return ImageSources(checker, ImageFetcher(allow, checker, timeout_seconds=5.0))
+    # The image hosts of these tests listen on loopback.
+    fetcher = ImageFetcher(allow, checker, timeout_seconds=5.0, private_addresses=True)
+    return ImageSources(checker, fetcher)
 
 
 def _session() -> Session:
@@ -402,7 +404,7 @@ async def test_an_allowed_url_is_fetched_and_a_host_not_allowed_is_never_asked(
     same URL on a host not allowed is refused without a request."""
     url = host.url("127.0.0.1", "/shot.png")
     messages = api.user([api.text("see"), api.image_url(url), api.image_url(url)])
-    converted, images = await _take(api, messages, allow=("127.0.0.1",))
+    converted, images = await _take(api, messages, allow=(f"127.0.0.1:{host.port}",))
     assert converted[0].parts == ("see", part(SHOT), part(SHOT))
     assert images[part(SHOT).sha256].data == SHOT
     assert host.served == ["127.0.0.1/shot.png"]
@@ -417,11 +419,21 @@ LIMITS = {"max_image_bytes": 10_000, "max_image_pixels": 100 * 100, "max_images"
 
 
 @pytest.fixture(scope="module")
-async def proxy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningProxy]:
+async def app_host() -> AsyncIterator[ImageHost]:
+    """The image host of the proxy under test (its port is in the proxy's settings)."""
+    async with image_host(SHOT) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+async def proxy(
+    tmp_path_factory: pytest.TempPathFactory, app_host: ImageHost
+) -> AsyncIterator[RunningProxy]:
     config = ProxyConfig(
         port=0,
         worker_wait_seconds=0.5,
-        image_url_allow=("127.0.0.1",),
+        image_url_allow=(f"127.0.0.1:{app_host.port}",),
+        image_url_private_addresses=True,
         image_fetch_seconds=5.0,
         cache_dir=Path(tmp_path_factory.mktemp("proxy-cache")),
         **LIMITS,  # type: ignore[arg-type]
@@ -454,12 +466,20 @@ def _refusals(host: ImageHost) -> list[tuple[str, str, str, str]]:
             "image_url_not_allowed",
             "redirects to http://localhost",
         ),
+        (
+            "port not allowed",
+            f"http://127.0.0.1:{host.port + 1}/shot.png",
+            "image_url_not_allowed",
+            "--image-url-allow",
+        ),
+        ("malformed host", "http://[::1/x.png", "invalid_image", "not a valid URL"),
+        ("backslash in host", "http://a\\@b/x.png", "invalid_image", "not a valid URL"),
     ]
 
 
 @pytest.mark.parametrize("api", APIS)
 async def test_refused_images_are_400_in_the_callers_format_and_record_nothing(
-    api: Api, proxy: RunningProxy, host: ImageHost
+    api: Api, proxy: RunningProxy, app_host: ImageHost
 ) -> None:
     """Through the real app, every image refusal (in a user message and in a tool
     result), and one image too many, is a 400 in the API's error shape with its code,
@@ -469,7 +489,8 @@ async def test_refused_images_are_400_in_the_callers_format_and_record_nothing(
         trial = await client.create_session()
         base = trial.anthropic_base_url + "/v1" if api is ANTHROPIC else trial.base_url
         before = await client.get_session(trial.trial_id)
-        cases = [(name, url, code, words, False) for name, url, code, words in _refusals(host)]
+        app_host.served.clear()
+        cases = [(name, url, code, words, False) for name, url, code, words in _refusals(app_host)]
         cases += [(f"{n} in a tool result", u, c, w, True) for n, u, c, w, _ in cases]
         shots = [api.image_url(data_url(SHOT))] * (LIMITS["max_images"] + 1)
         for name, url, code, words, in_tool in [
@@ -499,4 +520,4 @@ async def test_refused_images_are_400_in_the_callers_format_and_record_nothing(
         assert after["turns"] == before["turns"] == 0
         assert proxy.app[SESSIONS].get(trial.trial_id).images == {}
     # The redirect was asked twice (user message, tool result), its target never.
-    assert host.served == ["127.0.0.1/to/localhost/shot.png"] * 2
+    assert app_host.served == ["127.0.0.1/to/localhost/shot.png"] * 2
