@@ -79,6 +79,7 @@ from worker_client.engine import (
     TokenChunk,
     check_prompt,
     id_list,
+    placeholder_ids,
     refuse_routing,
 )
 from worker_client.exceptions import EngineError, EngineUnavailableError, WeightsError
@@ -126,14 +127,19 @@ def import_vllm() -> Any:
 
 
 def to_vllm_sampling(
-    sampling: SamplingParams, vllm: Any | None = None, routed_experts_start: int | None = None
+    sampling: SamplingParams,
+    vllm: Any | None = None,
+    routed_experts_start: int | None = None,
+    never_sampled: Sequence[int] = (),
 ) -> Any:
     """Translate our ``SamplingParams`` into a ``vllm.SamplingParams``.
 
     ``vllm`` is the ``vllm`` package (imported when not given). ``routed_experts_start``:
     the prompt position routing rows are wanted from (``routed_experts_prompt_start``, sent
-    where this vLLM has it; an older one returns every row). Raises ``EngineError`` when
-    vLLM rejects a value (e.g. a temperature above 2).
+    where this vLLM has it; an older one returns every row). ``never_sampled``: ids kept
+    from being sampled, a vision-language model's placeholders (``logit_bias`` -100, the
+    lowest vLLM takes). Raises ``EngineError`` when vLLM rejects a value (e.g. a
+    temperature above 2).
     """
     if vllm is None:
         vllm = import_vllm()
@@ -143,6 +149,8 @@ def to_vllm_sampling(
         vllm.SamplingParams, "__struct_fields__", ()
     ):
         extra["routed_experts_prompt_start"] = routed_experts_start
+    if never_sampled:
+        extra["logit_bias"] = dict.fromkeys(never_sampled, -100.0)
     try:
         return vllm.SamplingParams(
             n=1,
@@ -282,12 +290,15 @@ class VLLMEngine(StagedPath):
         routing_layers: list[int] | None = None,
         *,
         path: str | None = None,
+        never_sampled: tuple[int, ...] = (),
     ) -> None:
         """``routing_layers``: the decoder layers of vLLM's routing rows that are the
         card's routing layers (None: all of them). ``path``: the checkpoint it serves
-        (what a failed reload goes back to)."""
+        (what a failed reload goes back to). ``never_sampled``: a vision-language model's
+        placeholder ids (``engine.placeholder_ids``), which no request samples."""
         self._llm = llm
         self._card = card
+        self._never_sampled = never_sampled
         self._routing_layers = routing_layers
         self._path = path
         self._closed = False
@@ -393,7 +404,8 @@ class VLLMEngine(StagedPath):
             engine=settings,
             routing_unavailable=no_routing,
         )
-        return cls(llm, card, layers, path=model)
+        never_sampled = placeholder_ids(config.hf_config) if card.vision else ()
+        return cls(llm, card, layers, path=model, never_sampled=never_sampled)
 
     @property
     def card(self) -> ModelCard:
@@ -416,7 +428,7 @@ class VLLMEngine(StagedPath):
         from vllm.inputs import TokensPrompt
 
         start = None if routed_experts_from is None else min(routed_experts_from, len(prompt_ids))
-        params = to_vllm_sampling(sampling, vllm, start)
+        params = to_vllm_sampling(sampling, vllm, start, self._never_sampled)
         generated = 0
         expanded: list[int] | None = None
         if images and image_token is not None:

@@ -139,6 +139,14 @@ def test_top_k_off_becomes_vllm_zero(vllm_mod: Any, top_k: int) -> None:
     assert theirs.top_k == 0
 
 
+def test_placeholders_are_never_sampled(vllm_mod: Any) -> None:
+    """A vision-language model's placeholder ids go to vLLM with the lowest logit_bias it
+    takes; a text model's requests carry none."""
+    theirs = to_vllm_sampling(SamplingParams(max_tokens=4), vllm_mod, never_sampled=(11, 12))
+    assert theirs.logit_bias == {11: -100.0, 12: -100.0}
+    assert to_vllm_sampling(SamplingParams(max_tokens=4), vllm_mod).logit_bias is None
+
+
 def test_sampling_vllm_rejects_becomes_engine_error(vllm_mod: Any) -> None:
     """A value vLLM refuses (temperature above 2) raises EngineError, not vLLM's error."""
     with pytest.raises(EngineError, match="temperature"):
