@@ -67,6 +67,13 @@ class ToolsUnsupportedError(BadRequestError):
     code = "tools_unsupported"
 
 
+class BudgetExhaustedError(BadRequestError):
+    """A request of a trial whose turn or token budget is spent: refused (the agent is
+    told in its API's format; the trial's outcome is ``budget_exhausted``)."""
+
+    code = "budget_exhausted"
+
+
 class ImageError(BadRequestError):
     """An image in a request that the proxy will not take; ``code`` says why and the message
     names the image. Nothing of the request is recorded."""

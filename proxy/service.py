@@ -17,6 +17,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from proxy.chat.detokenizer import IncrementalDetokenizer
 from proxy.chat.harmony import HarmonySplitter
 from proxy.chat.messages import ChatMessage, Tool, ToolCall, extend_key
@@ -31,6 +33,7 @@ from proxy.chat.stops import StopMatcher
 from proxy.coalesce import StreamCoalescer
 from proxy.exceptions import (
     BadRequestError,
+    BudgetExhaustedError,
     ContextLengthError,
     ImageError,
     ProxyError,
@@ -46,7 +49,9 @@ from proxy.models import ModelRegistry, ServedModel
 from proxy.observability import ProxyMetrics
 from proxy.sampling import AgentSampling, resolve_sampling, sampling_record
 from proxy.sessions.accounting import locate, plan_raw_prompt, plan_turn, raw_prompt_key
+from proxy.sessions.agents import AgentClaim, TurnAgent, attribute, spawns_of
 from proxy.sessions.model import (
+    Outcome,
     PlacedImage,
     PromptPlan,
     Session,
@@ -107,6 +112,8 @@ class TurnRequest:
     # The bytes of the images the messages name that this request brought, by sha256
     # (the others the session holds already).
     images: Mapping[str, ImageData] = field(default_factory=dict)
+    # The agent its headers name (None: none; proxy.sessions.agents).
+    agent: AgentClaim | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -194,6 +201,7 @@ class PreparedTurn:
     retry_of: int | None = None  # the earlier (cut) attempt this sampled turn replaces
     live: _Live | None = None  # registered while in flight, for retries to join
     detached: bool = False  # finished in the background after its client left
+    agent: TurnAgent = field(default_factory=TurnAgent)  # the agent the turn belongs to
 
 
 class TurnService:
@@ -257,8 +265,9 @@ class TurnService:
                 code="routing_unsupported",
             )
         renderer = served.renderer
+        claimed = request.agent.id if request.agent is not None else None
         if request.prompt_ids is not None:
-            plan = plan_raw_prompt(session, request.prompt_ids)
+            plan = plan_raw_prompt(session, request.prompt_ids, claimed)
         else:
             messages, tools = request.messages, request.tools
             if served.vision is None and request.images:
@@ -267,7 +276,7 @@ class TurnService:
                     "send text only, or serve a vision-language model",
                     code="images_unsupported",
                 )
-            located = locate(session, messages, tools)
+            located = locate(session, messages, tools, claimed)
             vision = served.vision
             if _large(messages[located.rendered(session) :]):
                 plan = await asyncio.to_thread(
@@ -275,7 +284,14 @@ class TurnService:
                 )
             else:
                 plan = plan_turn(session, renderer, messages, tools, located, vision)
+        agent = attribute(session, request.agent, plan.parent, request.messages)
+        session.claim_spawn(agent)
         room = session_token_room(self.limits, session.stored_tokens, len(plan.context_ids))
+        budget = session.options.budget
+        if budget is not None and budget.tokens is not None:
+            # A reply is capped at the budget's tokens left (at least one, until spent).
+            left = max(budget.tokens - session.sampled_tokens, 1)
+            room = left if room is None else min(room, left)
         sampling = resolve_sampling(
             request.sampling,
             session.sampling,
@@ -305,9 +321,12 @@ class TurnService:
                     time.perf_counter(),
                     received_at=received,
                     replay=replay,
+                    agent=agent,
                 )
             if replay is not None:  # recorded by a model no longer served: sample anew
                 retry_of = replay.index
+        self._check_budget(session)
+        if marks is not None:
             live = _Live(marks.client_request_id)
             self._live[(session.trial_id, marks.request_hash)] = live
         started = time.perf_counter()
@@ -345,7 +364,21 @@ class TurnService:
             received_at=received,
             retry_of=retry_of,
             live=live,
+            agent=agent,
         )
+
+    def _check_budget(self, session: Session) -> None:
+        """Refuse a request of a trial whose budget is spent; the trial's outcome is then
+        ``budget_exhausted`` (a retry answered from its record spends nothing)."""
+        budget = session.options.budget
+        spent = None if budget is None else budget.spent(len(session.nodes), session.sampled_tokens)
+        if spent is None:
+            return
+        if session.outcome is None:
+            session.outcome = Outcome.BUDGET_EXHAUSTED
+            if self.store is not None:
+                self.store.save_session(session).add_done_callback(_log_failed_write)
+        raise BudgetExhaustedError(f"{spent}; this trial takes no more requests")
 
     async def _retry(
         self, session: Session, marks: RetryMarks
@@ -732,6 +765,7 @@ class TurnService:
             prompt_len=len(plan.prompt_ids),
             images=plan.images,
             routing=_routing(prepared, len(plan.prompt_ids) + len(ids)),
+            agent=_with_spawns(prepared.agent, tool_calls),
             key=raw_prompt_key([*plan.prompt_ids, *ids])
             if prepared.request.prompt_ids is not None
             else extend_key(plan.request_key, returned),
@@ -952,6 +986,12 @@ def _routing(prepared: PreparedTurn, end: int) -> TurnRouting | None:
     )
 
 
+def _with_spawns(agent: TurnAgent, tool_calls: Sequence[ToolCall]) -> TurnAgent:
+    """The turn's agent with the sub-agents its reply asked for (Agent/Task calls)."""
+    spawns = spawns_of(tool_calls)
+    return msgspec.structs.replace(agent, spawns=spawns) if spawns else agent
+
+
 def _recorded(session: Session, node: TurnNode) -> bool:
     """Whether ``node`` was added to the session (not when it had stopped accepting turns)."""
     return node.index < len(session.nodes) and session.nodes[node.index] is node
@@ -959,7 +999,7 @@ def _recorded(session: Session, node: TurnNode) -> bool:
 
 def _log_failed_write(future: asyncio.Future[None]) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.error("a truncated turn could not be saved: %s", future.exception())
+        log.error("a write to the session store failed: %s", future.exception())
 
 
 def _call_id(call: ParsedToolCall, earlier: Sequence[ToolCall]) -> str:

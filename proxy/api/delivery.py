@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from proxy.service import TurnResult, TurnService
+from proxy.sessions.agents import agent_header_text
 from proxy.sessions.model import Session
 from proxy.sessions.retries import RetryMarks
 
@@ -21,7 +22,8 @@ __all__ = ["retry_marks", "send_whole", "settle"]
 
 
 def retry_marks(request: web.Request, api: str, body: bytes) -> RetryMarks:
-    return RetryMarks.of(api, body, request.headers)
+    """The request's marks; the same body from two agents is two requests."""
+    return RetryMarks.of(f"{api}\0{agent_header_text(request.headers)}", body, request.headers)
 
 
 def settle(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 from urllib.parse import quote
@@ -16,7 +17,7 @@ from proxy.exceptions import BadRequestError, NotFoundError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.service import no_routing
-from proxy.sessions.model import Session, SessionState
+from proxy.sessions.model import Outcome, Session, SessionState
 from proxy.sessions.options import validate_options
 from relay.pool import WorkerPool
 
@@ -32,11 +33,16 @@ class CreateSession(BaseModel):
     chat_template_kwargs: Any = None
     cap_finish: Any = None
     routed_experts: Any = None
+    budget: Any = None
 
 
 class CompleteSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float | dict[str, float] | None = None
+    # How the episode ended (proxy.sessions.model.Outcome); checked in complete_session.
+    outcome: str | None = None
+    # Rewards for single agents of the trial, by agent id.
+    agent_rewards: dict[str, float] | None = None
 
 
 def public_url(request: web.Request) -> str:
@@ -66,7 +72,7 @@ async def _create(request: web.Request, trial_id: str | None) -> web.Response:
         request.app[SERVICE].limits, len(registry), request.app[CONFIG].retry_after_seconds
     )
     options = validate_options(
-        spec.history, spec.chat_template_kwargs, spec.cap_finish, spec.routed_experts
+        spec.history, spec.chat_template_kwargs, spec.cap_finish, spec.routed_experts, spec.budget
     )
     if options.routed_experts:
         _check_routing(request.app[POOL], spec.model)
@@ -154,11 +160,53 @@ async def complete_session(request: web.Request) -> web.Response:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     raw = await request.read()
     spec = parse_json(CompleteSession, raw) if raw.strip() else CompleteSession()
+    outcome = _outcome(session, spec)  # checked before anything changes
     session.transition(SessionState.COMPLETED)
     session.reward = spec.reward
+    session.outcome = outcome
+    session.agent_rewards = dict(spec.agent_rewards or {})
     request.app[POOL].forget_affinity(session.trial_id)
     await request.app[SESSIONS].save(session)
     return json_response(session.summary(base_url(request, session)))
+
+
+def _outcome(session: Session, spec: CompleteSession) -> Outcome:
+    """The outcome a completion records: the one given, else ``budget_exhausted`` when a
+    request found the budget spent, else ``completed``. ``completed`` given explicitly
+    needs a reward (no reward is never read as a zero)."""
+    rewards = [spec.reward] if isinstance(spec.reward, float | int) else []
+    if isinstance(spec.reward, dict):
+        rewards = list(spec.reward.values())
+    rewards += list((spec.agent_rewards or {}).values())
+    if not all(math.isfinite(r) for r in rewards):
+        raise BadRequestError("rewards must be finite numbers", code="invalid_reward")
+    unknown = sorted(set(spec.agent_rewards or {}) - set(session.agents))
+    if unknown:
+        raise BadRequestError(
+            f"agent_rewards names agents that made no turn in this trial: {unknown}",
+            code="unknown_agent",
+        )
+    if spec.outcome is None:
+        return session.outcome or Outcome.COMPLETED
+    try:
+        outcome = Outcome(spec.outcome)
+    except ValueError:
+        allowed = ", ".join(o.value for o in Outcome)
+        raise BadRequestError(
+            f"outcome must be one of: {allowed}", code="invalid_outcome"
+        ) from None
+    if outcome is Outcome.COMPLETED and spec.reward is None and not spec.agent_rewards:
+        raise BadRequestError(
+            'outcome "completed" needs a reward; give another outcome for an episode that has none',
+            code="invalid_outcome",
+        )
+    return outcome
+
+
+async def get_agents(request: web.Request) -> web.Response:
+    """The trial's agents: the main one and the sub-agents it spawned, with their turns."""
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    return json_response({"trial_id": session.trial_id, "agents": session.agent_list()})
 
 
 async def delete_session(request: web.Request) -> web.Response:
@@ -236,5 +284,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/sessions/{trial_id}", get_session)
     app.router.add_get("/sessions/{trial_id}/trajectories", get_trajectories)
     app.router.add_get("/sessions/{trial_id}/images/{sha256}", get_image)
+    app.router.add_get("/sessions/{trial_id}/agents", get_agents)
     app.router.add_post("/sessions/{trial_id}/complete", complete_session)
     app.router.add_delete("/sessions/{trial_id}", delete_session)

@@ -1,6 +1,6 @@
 """The trajectory viewer: a web page at ``/ui/`` for reading sessions as a trainer would.
 
-It lists sessions and shows one as its tree of turns (branch reason, finish reason,
+It lists sessions and shows one as its tree of turns beside its tree of agents (branch reason, finish reason,
 delivery and retries, worker, policy version, timings) and any trajectory as tokens: context and sampled tokens
 told apart, each sampled token's logprob on hover and in its colour, each image as a
 thumbnail in place of its placeholder tokens. The page polls, so a
@@ -157,6 +157,8 @@ def _turn(node: TurnNode) -> dict[str, Any]:
         "completion_tokens": len(node.completion_ids),
         "tool_calls": meta.tool_calls,
         "created_at": meta.created_at,
+        "agent": node.agent.id,
+        "agent_kind": node.agent.kind,
     }
 
 
@@ -201,6 +203,7 @@ async def session_tree(request: web.Request) -> web.Response:
             "options": session.options.as_dict(),
             "turns": [_turn(n) for n in session.nodes],
             "trajectories": leaves,
+            "agents": session.agent_list(),
         }
     )
 

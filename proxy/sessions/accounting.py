@@ -34,9 +34,16 @@ class Located:
         return self.found[1] - 1
 
 
-def locate(session: Session, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> Located:
+def locate(
+    session: Session,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool],
+    agent: str | None = None,
+) -> Located:
+    """Which turn the request continues: with ``agent`` (what its headers named), only a
+    turn of that agent."""
     keys = session.history.keys(tools, messages)
-    return Located(keys, session.find_continuation(keys))
+    return Located(keys, session.find_continuation(keys, agent))
 
 
 def plan_turn(
@@ -119,10 +126,12 @@ def raw_prompt_key(ids: Sequence[int]) -> bytes:
     return hasher.digest()
 
 
-def plan_raw_prompt(session: Session, prompt_ids: Sequence[int]) -> PromptPlan:
-    """A raw prompt continues the earlier raw-prompt turn whose prompt + sampled ids are
-    its longest prefix (the client sent them back verbatim and appended new ids);
-    otherwise it starts a new root. It is never re-tokenized."""
+def plan_raw_prompt(
+    session: Session, prompt_ids: Sequence[int], agent: str | None = None
+) -> PromptPlan:
+    """A raw prompt continues the earlier raw-prompt turn (of ``agent``, when named) whose
+    prompt + sampled ids are its longest prefix (the client sent them back verbatim and
+    appended new ids); otherwise it starts a new root. It is never re-tokenized."""
     prompt = list(prompt_ids)
     ends = sorted({n.end for n in session.nodes if n.end <= len(prompt)})
     # One pass over the prompt: the hash of every candidate prefix, shortest first.
@@ -134,7 +143,7 @@ def plan_raw_prompt(session: Session, prompt_ids: Sequence[int]) -> PromptPlan:
         at = end
         keys.append((end, hasher.copy().digest()))
     for end, key in reversed(keys):
-        index = session.by_key.get(key)
+        index = session.turn_with_key(key, agent)
         if index is not None and session.nodes[index].end == end:
             return PromptPlan(index, prompt[end:], prompt, key, "continued")
     reason = "new_session" if not session.nodes else "new_branch"

@@ -31,6 +31,7 @@ import msgspec
 from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
 from proxy.images import ImageData
+from proxy.sessions.agents import MAIN_AGENT, Spawn, TurnAgent
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import TurnRouting, export_routing
 
@@ -47,6 +48,16 @@ class CompletedBy(enum.Enum):
     TRAINER = "trainer"
     IDLE_TIMEOUT = "idle_timeout"  # no request for longer than the idle timeout
     MAX_AGE = "max_age"  # older than the maximum session age
+
+
+class Outcome(enum.Enum):
+    """How a trial's episode ended, for the trainer to act on."""
+
+    COMPLETED = "completed"  # the agent finished; the reward grades it
+    AGENT_ERROR = "agent_error"  # the agent failed: the policy's doing
+    INFRA_ERROR = "infra_error"  # the proxy, a worker or the sandbox failed: not the policy's
+    TIMEOUT = "timeout"  # the episode ran out of time
+    BUDGET_EXHAUSTED = "budget_exhausted"  # the trial's turn or token budget was spent
 
 
 _ALLOWED = {
@@ -147,6 +158,8 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
     # Its routing rows, in a session that asked for them (proxy.sessions.routing): the
     # positions [parent's end - 1 (0 for a root), end - 1).
     routing: TurnRouting | None = None
+    # The agent that made it (proxy.sessions.agents).
+    agent: TurnAgent = MAIN_AGENT
 
     @property
     def end(self) -> int:
@@ -157,6 +170,13 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
         """Whether rows of its positions never came (a trainer replaying routing leaves
         it out)."""
         return self.routing is None or bool(self.routing.missing)
+
+
+def _spawned_by(agent: TurnAgent) -> dict[str, Any] | None:
+    spawned = agent.spawned_by
+    if spawned is None:
+        return None
+    return {"turn": spawned.turn, "tool_call_id": spawned.tool_call_id}
 
 
 def node_versions(node: TurnNode) -> list[tuple[int, int, int]]:
@@ -188,6 +208,15 @@ class PromptPlan:
 
 
 @dataclass(slots=True)
+class SpawnEntry:
+    """An Agent/Task call a turn made, and the sub-agent that took it (None: none yet)."""
+
+    turn: int
+    spawn: Spawn
+    claimed_by: str | None = None
+
+
+@dataclass(slots=True)
 class Session:
     trial_id: TrialId
     api_key: str
@@ -204,8 +233,21 @@ class Session:
     # When the trajectories of the completed session were first fetched (retention starts).
     fetched_at: float | None = None
     reward: float | dict[str, float] | None = None
+    # Rewards the trainer gave single agents (by agent id); the others get ``reward``.
+    agent_rewards: dict[str, float] = field(default_factory=dict)
+    # How the episode ended: set when it is completed (``budget_exhausted`` as soon as a
+    # request finds the budget spent).
+    outcome: Outcome | None = None
     nodes: list[TurnNode] = field(default_factory=list)
     by_key: dict[bytes, int] = field(default_factory=dict)
+    # A context key's latest turn of an agent whose turn with that key is no longer the
+    # one in ``by_key`` (another agent's turn has the same key): few, or none.
+    by_agent_key: dict[tuple[str, bytes], int] = field(default_factory=dict)
+    # Each agent's first turn's agent record, by agent id.
+    agents: dict[str, TurnAgent] = field(default_factory=dict)
+    # The Agent/Task calls its turns made, in order.
+    spawns: list[SpawnEntry] = field(default_factory=list)
+    sampled_tokens: int = 0  # tokens the policy sampled in this session
     # The latest turn recorded for each request body hash (retries are found by it).
     by_request: dict[str, int] = field(default_factory=dict)
     # Tokens the session stores: every turn's context and sampled tokens.
@@ -237,6 +279,8 @@ class Session:
         if state is SessionState.COMPLETED:
             self.completed_at = self.updated_at
             self.completed_by = by
+            if by is not CompletedBy.TRAINER and self.outcome is None:
+                self.outcome = Outcome.TIMEOUT  # expired: the episode ran out of time
 
     def require_active(self) -> None:
         if self.state is not SessionState.ACTIVE:
@@ -288,16 +332,49 @@ class Session:
             return []
         return [image for step in self.path(index) for image in step.images]
 
-    def find_continuation(self, keys: Sequence[bytes]) -> tuple[int, int] | None:
+    def find_continuation(
+        self, keys: Sequence[bytes], agent: str | None = None
+    ) -> tuple[int, int] | None:
         """The node whose context is the longest proper prefix of the request, as
-        ``(node index, number of request messages it covers)``, or None.
+        ``(node index, number of request messages it covers)``, or None; with ``agent``,
+        only a node of that agent.
 
         ``keys[k]`` is the key of the request's first k messages; at least one message
         must be new, so the whole request is not a candidate."""
         for k in range(len(keys) - 2, 0, -1):
-            index = self.by_key.get(keys[k])
+            index = self.turn_with_key(keys[k], agent)
             if index is not None:
                 return index, k
+        return None
+
+    def turn_with_key(self, key: bytes, agent: str | None = None) -> int | None:
+        """The latest turn whose context is ``key`` (of ``agent``, when given)."""
+        index = self.by_key.get(key)
+        if agent is None or index is None or self.nodes[index].agent.id == agent:
+            return index
+        return self.by_agent_key.get((agent, key))
+
+    def agent(self, agent_id: str) -> TurnAgent | None:
+        """The agent with this id, as its first turn recorded it (None: no turn yet)."""
+        return self.agents.get(agent_id)
+
+    def find_spawn(self, text: str, *, claim: str | None) -> tuple[SpawnEntry, bool] | None:
+        """The Agent/Task call whose prompt a new root's first user message holds, and
+        whether no sub-agent took it yet. A root nothing names (``claim`` None) takes only
+        a call not yet answered (its turn not continued); else it is a new root of the
+        sub-agent that took the last such call. A named sub-agent takes the oldest call
+        not taken, answered or not (Claude Code answers a background launch at once)."""
+        matching = [e for e in self.spawns if e.spawn.prompt in text]
+        fresh = [e for e in matching if e.claimed_by is None or e.claimed_by == claim]
+        if claim is None:
+            fresh = [e for e in fresh if self.nodes[e.turn].children == 0]
+        else:
+            fresh.sort(key=lambda e: self.nodes[e.turn].children > 0)  # open calls first
+        if fresh:
+            return fresh[0], True
+        taken = [e for e in matching if e.claimed_by is not None]
+        if claim is None and taken:
+            return taken[-1], False
         return None
 
     def add_turn(self, node: TurnNode) -> None:
@@ -305,10 +382,31 @@ class Session:
             self.nodes[node.parent].children += 1
         self.nodes.append(node)
         self.stored_tokens += len(node.context_ids) + len(node.completion_ids)
+        self.sampled_tokens += len(node.completion_ids)
+        agent = node.agent
+        earlier = self.by_key.get(node.key)
+        if earlier is not None and self.nodes[earlier].agent.id != agent.id:
+            # Another agent's turn had this key: it stays findable for its own agent.
+            self.by_agent_key[(self.nodes[earlier].agent.id, node.key)] = earlier
+        if (agent.id, node.key) in self.by_agent_key:
+            self.by_agent_key[(agent.id, node.key)] = node.index
         self.by_key[node.key] = node.index
+        self.agents.setdefault(agent.id, agent)
+        self.claim_spawn(agent)
+        self.spawns.extend(SpawnEntry(node.index, spawn) for spawn in agent.spawns)
         if node.meta.request_hash:
             self.by_request[node.meta.request_hash] = node.index
         self.updated_at = time.time()
+
+    def claim_spawn(self, agent: TurnAgent) -> None:
+        """Mark the call that spawned ``agent`` as taken (from the moment its first request
+        is planned: a sub-agent started at the same time takes another call)."""
+        spawned = agent.spawned_by
+        if spawned is None:
+            return
+        for entry in self.spawns:
+            if entry.turn == spawned.turn and entry.spawn.tool_call_id == spawned.tool_call_id:
+                entry.claimed_by = agent.id
 
     # ------------------------------------------------------------------ export
 
@@ -346,11 +444,16 @@ class Session:
                     "response_end": len(response),
                     **node.meta.as_dict(),
                     "versions": [[v, start + lo, start + hi] for v, lo, hi in spans],
+                    "agent": node.agent.as_dict(),
+                    "spawned_by": _spawned_by(node.agent),
                 }
             )
             if self.options.routed_experts:
                 turns[-1]["routing_missing"] = node.routing_missing
         out: dict[str, Any] = {
+            # A trajectory is one agent's: a turn continues only its own agent's turns.
+            "agent_id": leaf.agent.id,
+            "agent_kind": leaf.agent.kind,
             "prompt_ids": root.context_ids.tolist(),
             "response_ids": response,
             "response_mask": mask,
@@ -388,9 +491,30 @@ class Session:
         return {
             "trial_id": self.trial_id,
             "status": self.state.value,
+            "outcome": self.outcome.value if self.outcome is not None else None,
             "reward": self.reward,
+            "agent_rewards": self.agent_rewards,
             "trajectories": [self.trajectory(leaf) for leaf in self.leaves()],
         }
+
+    def agent_list(self) -> list[dict[str, Any]]:
+        """The session's agents in the order they first made a turn: one entry per agent
+        and kind (an agent's compaction or side requests are entries of their own, with its
+        id), each with the turns it made."""
+        entries: dict[tuple[str, str], dict[str, Any]] = {}
+        for node in self.nodes:
+            agent = node.agent
+            entry = entries.get((agent.id, agent.kind))
+            if entry is None:
+                entry = entries[(agent.id, agent.kind)] = {
+                    **agent.as_dict(),
+                    "spawned_by": None,
+                    "turns": [],
+                }
+            if agent.spawned_by is not None and entry["spawned_by"] is None:
+                entry["spawned_by"] = _spawned_by(agent)
+            entry["turns"].append(node.index)
+        return list(entries.values())
 
     def summary(self, base_url: str) -> dict[str, Any]:
         sampled = sum(len(n.completion_ids) for n in self.nodes)
@@ -403,8 +527,11 @@ class Session:
             "metadata": self.metadata,
             "sampling": self.sampling,
             **self.options.as_dict(),
+            "outcome": self.outcome.value if self.outcome is not None else None,
             "reward": self.reward,
+            "agent_rewards": self.agent_rewards,
             "turns": len(self.nodes),
+            "agents": len(self.agents),
             "branches": sum(1 for _ in self.leaves()),
             "undelivered_turns": sum(1 for n in self.nodes if not n.meta.delivered),
             **(

@@ -25,6 +25,11 @@
   (rollout routing replay, R3; ``proxy.sessions.routing``), for a model whose workers can
   report them. Off by default: nothing is asked of the engines or recorded.
 
+* ``budget``: the most turns (``turns``: model calls) and sampled tokens (``tokens``) the
+  trial may use. A request once either is spent is refused (``budget_exhausted``, in the
+  agent's API format) and the trial's outcome becomes ``budget_exhausted``; a reply is
+  capped at the tokens left. None (the default): no budget.
+
 * ``chat_template_kwargs``: extra variables for the chat template on every rendering of
   the session (Qwen3's ``{"enable_thinking": false}``, DeepSeek-V3.1's
   ``{"thinking": true}``, gpt-oss's ``{"reasoning_effort": "high"}``).
@@ -63,6 +68,30 @@ _RESERVED = frozenset(
 _MAX_KWARGS_BYTES = 4096
 
 
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What a trial may spend: model calls and sampled tokens (None: no limit)."""
+
+    turns: int | None = None
+    tokens: int | None = None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {"turns": self.turns, "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Budget:
+        return cls(raw.get("turns"), raw.get("tokens"))
+
+    def spent(self, turns: int, tokens: int) -> str | None:
+        """What is spent after ``turns`` turns that sampled ``tokens`` tokens (None:
+        nothing yet)."""
+        if self.turns is not None and turns >= self.turns:
+            return f"the trial's budget of {self.turns} turns is spent"
+        if self.tokens is not None and tokens >= self.tokens:
+            return f"the trial's budget of {self.tokens} sampled tokens is spent"
+        return None
+
+
 class HistoryPolicy(Enum):
     KEEP = "keep"
     TEMPLATE = "template"
@@ -79,6 +108,7 @@ class SessionOptions:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     cap_finish: CapFinish = CapFinish.LENGTH
     routed_experts: bool = False
+    budget: Budget | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +116,7 @@ class SessionOptions:
             "chat_template_kwargs": dict(self.chat_template_kwargs),
             "cap_finish": self.cap_finish.value,
             "routed_experts": self.routed_experts,
+            "budget": self.budget.as_dict() if self.budget is not None else None,
         }
 
     @classmethod
@@ -96,6 +127,7 @@ class SessionOptions:
             dict(raw.get("chat_template_kwargs") or {}),
             CapFinish(raw.get("cap_finish", CapFinish.LENGTH.value)),
             bool(raw.get("routed_experts", False)),
+            Budget.from_dict(raw["budget"]) if raw.get("budget") else None,
         )
 
 
@@ -112,8 +144,32 @@ def _choice(kind: type[E], name: str, value: Any, default: E) -> E:
         raise BadRequestError(f"{name} must be one of: {allowed}", code="invalid_option") from None
 
 
+def _budget(raw: Any) -> Budget | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= {"turns", "tokens"}:
+        raise BadRequestError(
+            'budget must be an object with "turns" and/or "tokens"', code="invalid_option"
+        )
+    for name in ("turns", "tokens"):
+        value = raw.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise BadRequestError(
+                f"budget.{name} must be a positive integer", code="invalid_option"
+            )
+    if raw.get("turns") is None and raw.get("tokens") is None:
+        return None
+    return Budget(raw.get("turns"), raw.get("tokens"))
+
+
 def validate_options(
-    history: Any, chat_template_kwargs: Any, cap_finish: Any = None, routed_experts: Any = None
+    history: Any,
+    chat_template_kwargs: Any,
+    cap_finish: Any = None,
+    routed_experts: Any = None,
+    budget: Any = None,
 ) -> SessionOptions:
     """The options of a session-creation request; BadRequestError (``invalid_option``)
     names what is wrong."""
@@ -137,4 +193,4 @@ def validate_options(
         kwargs = dict(chat_template_kwargs)
     if routed_experts is not None and not isinstance(routed_experts, bool):
         raise BadRequestError("routed_experts must be true or false", code="invalid_option")
-    return SessionOptions(policy, kwargs, cap, bool(routed_experts))
+    return SessionOptions(policy, kwargs, cap, bool(routed_experts), _budget(budget))

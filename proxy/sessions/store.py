@@ -41,8 +41,10 @@ import msgspec
 
 from proxy.exceptions import StorageError
 from proxy.images import ImageData, MediaType
+from proxy.sessions.agents import MAIN_AGENT, TurnAgent
 from proxy.sessions.model import (
     CompletedBy,
+    Outcome,
     PlacedImage,
     Session,
     SessionState,
@@ -58,7 +60,7 @@ __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_arr
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # What each older schema version needs to become the next one.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",),  # options
@@ -66,6 +68,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: (  # a turn's routing rows (NULL: none recorded)
         "ALTER TABLE turns ADD COLUMN routing BLOB",
         "ALTER TABLE turns ADD COLUMN routing_head TEXT",
+    ),
+    4: (  # a turn's agent (NULL: the main agent), a trial's outcome and agents' rewards
+        "ALTER TABLE turns ADD COLUMN agent TEXT",
+        "ALTER TABLE sessions ADD COLUMN outcome TEXT",
+        "ALTER TABLE sessions ADD COLUMN agent_rewards TEXT",
     ),
 }
 # Writes waiting when a transaction starts that are committed with it.
@@ -89,7 +96,9 @@ CREATE TABLE IF NOT EXISTS sessions (
     updated_at REAL NOT NULL,
     completed_at REAL,
     completed_by TEXT,
-    fetched_at REAL
+    fetched_at REAL,
+    outcome TEXT,
+    agent_rewards TEXT
 );
 CREATE TABLE IF NOT EXISTS turns (
     trial_id TEXT NOT NULL REFERENCES sessions(trial_id) ON DELETE CASCADE,
@@ -104,6 +113,7 @@ CREATE TABLE IF NOT EXISTS turns (
     images TEXT NOT NULL DEFAULT '[]',
     routing BLOB,
     routing_head TEXT,
+    agent TEXT,
     PRIMARY KEY (trial_id, idx)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS images (
@@ -171,6 +181,8 @@ def _session_row(s: Session) -> tuple[Any, ...]:
         s.completed_at,
         s.completed_by.value if s.completed_by is not None else None,
         s.fetched_at,
+        s.outcome.value if s.outcome is not None else None,
+        _json(s.agent_rewards) if s.agent_rewards else None,
     )
 
 
@@ -188,6 +200,7 @@ def _turn_row(trial_id: str, n: TurnNode) -> tuple[Any, ...]:
         _json(n.images),
         n.routing.data if n.routing is not None else None,
         _json(n.routing.head()) if n.routing is not None else None,
+        None if n.agent == MAIN_AGENT else _json(n.agent),
     )
 
 
@@ -224,6 +237,8 @@ def _session_from(row: sqlite3.Row) -> Session:
         completed_by=CompletedBy(row["completed_by"]) if row["completed_by"] else None,
         fetched_at=row["fetched_at"],
         reward=None if reward is None else json.loads(reward),
+        outcome=Outcome(row["outcome"]) if row["outcome"] else None,
+        agent_rewards=json.loads(row["agent_rewards"]) if row["agent_rewards"] else {},
     )
 
 
@@ -249,6 +264,9 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         meta=TurnMeta(**meta),
         images=msgspec.json.decode(row["images"], type=tuple[PlacedImage, ...]),
         routing=_routing_from(row),
+        agent=MAIN_AGENT
+        if row["agent"] is None
+        else msgspec.json.decode(row["agent"], type=TurnAgent),
     )
 
 
@@ -270,14 +288,16 @@ def _put_session(session_row: tuple[Any, ...]) -> _Op:
     def op(db: sqlite3.Connection) -> None:
         db.execute(
             "INSERT INTO sessions (trial_id, api_key, state, model, sampling, options, metadata,"
-            " reward, created_at, updated_at, completed_at, completed_by, fetched_at)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+            " reward, created_at, updated_at, completed_at, completed_by, fetched_at, outcome,"
+            " agent_rewards)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(trial_id) DO UPDATE SET api_key=excluded.api_key,"
             " state=excluded.state, model=excluded.model, sampling=excluded.sampling,"
             " options=excluded.options,"
             " metadata=excluded.metadata, reward=excluded.reward,"
             " updated_at=excluded.updated_at, completed_at=excluded.completed_at,"
-            " completed_by=excluded.completed_by, fetched_at=excluded.fetched_at",
+            " completed_by=excluded.completed_by, fetched_at=excluded.fetched_at,"
+            " outcome=excluded.outcome, agent_rewards=excluded.agent_rewards",
             session_row,
         )
 
@@ -295,8 +315,8 @@ def _put_turn(
             db.executemany("INSERT OR IGNORE INTO images VALUES (?,?,?,?,?,?)", image_rows)
         db.execute(
             "INSERT INTO turns (trial_id, idx, parent, context_ids, completion_ids, logprobs,"
-            " prompt_len, key, meta, images, routing, routing_head)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            " prompt_len, key, meta, images, routing, routing_head, agent)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             turn_row,
         )
 

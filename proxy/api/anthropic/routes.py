@@ -44,6 +44,7 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
+from proxy.sessions.agents import agent_claim
 from proxy.sessions.model import Session
 
 # Renders bigger than this (characters of message text) run in a thread, as turns do.
@@ -120,6 +121,7 @@ def _session(request: web.Request) -> Session:
 async def create_message(request: web.Request) -> web.StreamResponse:
     session = _session(request)
     session.require_active()
+    claim = agent_claim(request.headers)  # a bad harness header is refused before anything
     body = await request.read()
     signed = signature_check(session)
     parsed, messages, images = await take_images(
@@ -137,6 +139,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         tool_choice=parsed.tool_choice_name(),
         marks=retry_marks(request, "anthropic.messages", body),
         images=images,
+        agent=claim,
     )
     service = request.app[SERVICE]
     if not parsed.stream:

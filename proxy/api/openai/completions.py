@@ -35,6 +35,7 @@ from proxy.service import (
     TurnResult,
     TurnService,
 )
+from proxy.sessions.agents import agent_claim
 from proxy.sessions.model import Session
 
 # Text prompts longer than this are tokenized off the event loop.
@@ -102,6 +103,7 @@ async def _prompt_ids(
 async def completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
+    claim = agent_claim(request.headers)  # a bad harness header is refused before anything
     body = await request.read()
     parsed = parse_json(CompletionRequest, body)
     parsed.check_supported()
@@ -124,6 +126,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids=prompt,
         # Several choices are several turns: such a request is never taken for a retry.
         marks=retry_marks(request, "openai.completions", body) if parsed.n == 1 else None,
+        agent=claim,
     )
     # n > 1: each choice is its own turn, a sibling branch with seed + i.
     turns = choice_requests(turn, parsed.n)

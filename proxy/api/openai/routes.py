@@ -30,6 +30,7 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
+from proxy.sessions.agents import agent_claim
 from relay.pool import WorkerPool
 
 
@@ -94,6 +95,7 @@ def chat_completion_body(
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
+    claim = agent_claim(request.headers)  # a bad harness header is refused before anything
     body = await request.read()
     parsed, messages, images = await take_images(
         request.app[IMAGES],
@@ -117,6 +119,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # Several choices are several turns: such a request is never taken for a retry.
         marks=retry_marks(request, "openai.chat", body) if parsed.n == 1 else None,
         images=images,
+        agent=claim,
     )
     service = request.app[SERVICE]
     # n > 1: each choice is its own turn (a sibling branch of the session's tree), with

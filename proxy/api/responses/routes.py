@@ -37,6 +37,7 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
+from proxy.sessions.agents import agent_claim
 
 
 def _echo(parsed: ResponsesRequest) -> ResponseEcho:
@@ -53,6 +54,7 @@ def _echo(parsed: ResponsesRequest) -> ResponseEcho:
 async def create_response(request: web.Request) -> web.StreamResponse:
     session = request.app[SESSIONS].get(request.match_info["trial_id"])
     session.require_active()
+    claim = agent_claim(request.headers)  # a bad harness header is refused before anything
     body = await request.read()
     parsed = parse_json(ResponsesRequest, body)
     parsed.check_supported()
@@ -72,6 +74,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         tool_choice=parsed.tool_choice_name(),
         marks=retry_marks(request, "openai.responses", body),
         images=images,
+        agent=claim,
     )
     echo = _echo(parsed)
     created_at = int(time.time())

@@ -2,7 +2,7 @@
 // trajectory's tokens. Everything the model wrote is inserted as text, never as markup.
 "use strict";
 
-const state = { trial: null, leaf: null, turns: [], trajectories: [], shownTurns: -1 };
+const state = { trial: null, leaf: null, turns: [], trajectories: [], agents: [], shownTurns: -1 };
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -67,6 +67,9 @@ function turnBox(turn) {
     badges.push(el("span", { class: "badge branch", text: `retry of #${turn.retry_of}` }));
   }
   if (turn.replays) badges.push(el("span", { class: "badge branch", text: `replayed ×${turn.replays}` }));
+  if (turn.agent && (turn.agent !== "main" || turn.agent_kind !== "main")) {
+    badges.push(el("span", { class: "badge", text: `agent ${turn.agent} (${turn.agent_kind})` }));
+  }
   const facts = [
     `${turn.completion_tokens} sampled / ${turn.prompt_tokens} prompt`,
     `worker ${turn.worker_id || "?"}`,
@@ -114,7 +117,45 @@ function renderTree() {
   };
   const tree = document.getElementById("tree");
   tree.replaceChildren(branch("root") || el("p", { class: "hint", text: "No turns yet." }));
+  renderAgents();
   markSelection();
+}
+
+// The agents as a tree by parent: each with its kind, its turns and the call that spawned it.
+function renderAgents() {
+  const children = new Map();
+  for (const agent of state.agents) {
+    const key = agent.parent ?? "";
+    if (!children.has(key)) children.set(key, []);
+    children.get(key).push(agent);
+  }
+  const seen = new Set();
+  const branch = (key) => {
+    const kids = (children.get(key) || []).filter((a) => !seen.has(a));
+    if (!kids.length) return null;
+    return el(
+      "ul",
+      {},
+      ...kids.map((agent) => {
+        seen.add(agent);
+        const spawned = agent.spawned_by
+          ? ` · spawned by #${agent.spawned_by.turn} (${agent.spawned_by.tool_call_id})`
+          : "";
+        const turns = agent.turns.map((t) => `#${t}`).join(" ");
+        const sub = agent.kind === "main" || agent.kind === "subagent" ? branch(agent.id) : null;
+        return el(
+          "li",
+          {},
+          el("div", { class: "agent", text: `${agent.id} (${agent.kind}) · ${turns}${spawned}` }),
+          ...(sub ? [sub] : []),
+        );
+      }),
+    );
+  };
+  document.getElementById("agents").replaceChildren(
+    el("h3", { text: "Agents" }),
+    branch("") || el("p", { class: "hint", text: "No agents yet." }),
+  );
 }
 
 function markSelection() {
@@ -188,6 +229,7 @@ async function refreshSession() {
   if (data.trial_id !== state.trial) return;
   state.turns = data.turns;
   state.trajectories = data.trajectories;
+  state.agents = data.agents || [];
   const head = document.getElementById("session-head");
   head.replaceChildren(
     el("span", { class: "id", text: data.trial_id }),

@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from proxy.exceptions import BadRequestError
-from proxy.sessions.options import CapFinish, HistoryPolicy, SessionOptions, validate_options
+from proxy.sessions.options import (
+    Budget,
+    CapFinish,
+    HistoryPolicy,
+    SessionOptions,
+    validate_options,
+)
 
 
 def test_defaults_keep_history_and_add_no_variables() -> None:
@@ -23,6 +29,7 @@ def test_valid_options_round_trip_through_their_dict() -> None:
         "chat_template_kwargs": {"enable_thinking": False, "effort": "high"},
         "cap_finish": "stop",
         "routed_experts": False,
+        "budget": None,
     }
     assert SessionOptions.from_dict(options.as_dict()) == options
     assert SessionOptions.from_dict({}) == SessionOptions()
@@ -63,3 +70,25 @@ def test_routed_experts_is_off_unless_asked_and_must_be_a_boolean() -> None:
     assert SessionOptions.from_dict(asked.as_dict()) == asked
     with pytest.raises(BadRequestError, match="routed_experts must be true or false"):
         validate_options(None, None, None, "yes")
+
+
+def test_a_budget_round_trips_and_says_what_is_spent() -> None:
+    """A budget of turns and tokens is kept with the options and says which is spent."""
+    options = validate_options(None, None, budget={"turns": 3, "tokens": 100})
+    assert options.budget == Budget(3, 100)
+    assert SessionOptions.from_dict(options.as_dict()) == options
+    assert options.budget.spent(2, 99) is None
+    assert "3 turns" in (options.budget.spent(3, 0) or "")
+    assert "100 sampled tokens" in (options.budget.spent(0, 100) or "")
+    assert validate_options(None, None, budget={"tokens": 5}).budget == Budget(None, 5)
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [[3], {"turns": 0}, {"turns": True}, {"tokens": 1.5}, {"steps": 3}, {"turns": "3"}],
+)
+def test_a_bad_budget_is_refused(budget: Any) -> None:
+    """A budget that is not positive whole turns and tokens is a 400 naming it."""
+    with pytest.raises(BadRequestError, match="budget") as raised:
+        validate_options(None, None, budget=budget)
+    assert raised.value.code == "invalid_option"

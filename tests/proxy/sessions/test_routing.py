@@ -147,6 +147,7 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     db = sqlite3.connect(tmp_path / DB_NAME)
     db.execute("ALTER TABLE turns DROP COLUMN routing")
     db.execute("ALTER TABLE turns DROP COLUMN routing_head")
+    _drop_agents(db)
     db.execute("UPDATE relay_meta SET value='3' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -160,8 +161,15 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 4
+    assert int(version) == SCHEMA_VERSION == 5
     store = await SessionStore.open(tmp_path)
     sessions = {x.trial_id: x for x in (await store.load()).sessions}
     await store.close()
     assert isinstance(sessions["moe"].nodes[0].routing, TurnRouting)
+
+
+def _drop_agents(db: sqlite3.Connection) -> None:
+    """Back to the layout before agents and outcomes were stored (version 4)."""
+    db.execute("ALTER TABLE turns DROP COLUMN agent")
+    db.execute("ALTER TABLE sessions DROP COLUMN outcome")
+    db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")

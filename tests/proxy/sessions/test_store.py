@@ -293,6 +293,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     _drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
+    _drop_agents(db)
     db.execute("UPDATE relay_meta SET value='1' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -304,7 +305,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 4
+    assert int(version) == SCHEMA_VERSION == 5
 
 
 async def test_version_spans_round_trip(tmp_path: Path) -> None:
@@ -445,6 +446,7 @@ async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
     _drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
+    _drop_agents(db)
     db.execute("UPDATE relay_meta SET value='2' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -452,3 +454,10 @@ async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
     assert all(n.images == () for n in loaded.nodes)
     assert json.dumps(loaded.export()) == json.dumps(s.export())
     await store.close()
+
+
+def _drop_agents(db: sqlite3.Connection) -> None:
+    """Back to the layout before agents and outcomes were stored (version 4)."""
+    db.execute("ALTER TABLE turns DROP COLUMN agent")
+    db.execute("ALTER TABLE sessions DROP COLUMN outcome")
+    db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")
