@@ -58,7 +58,9 @@ from sdk.exceptions import (
 )
 from sdk.samples import (
     DEFAULT_MAX_STALENESS,
+    AgentSelection,
     BranchPolicy,
+    InfraErrors,
     OverlongPrompt,
     Sample,
     SharedTurns,
@@ -107,7 +109,11 @@ class AgentLoopConfig:
     ``sdk.samples``. ``max_attempts`` and the ``retry_backoff_*`` settings: see the
     module docstring. ``routed_experts``: each trial records the experts a
     mixture-of-experts policy routed every token to (R3), and every sample carries them
-    (``Sample.routed_experts``); an export without them fails the attempt.
+    (``Sample.routed_experts``); an export without them fails the attempt. ``agents``,
+    ``agent_kinds``, ``infra_error`` and ``failure_reward``: which agents' trajectories
+    become samples and what an episode's outcome does (see ``sdk.samples``); an
+    ``infra_error`` episode dropped fails the attempt, so it is retried. ``budget``: the
+    trial's turn and token budget on the proxy (``{"turns": N, "tokens": M}``).
     """
 
     agent: str
@@ -130,6 +136,11 @@ class AgentLoopConfig:
     retry_backoff_seconds: float = 0.5
     retry_backoff_max_seconds: float = 8.0
     routed_experts: bool = False
+    agents: AgentSelection = AgentSelection.ALL
+    agent_kinds: frozenset[str] | None = None
+    infra_error: InfraErrors = InfraErrors.DROP
+    failure_reward: float | None = None
+    budget: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -268,6 +279,7 @@ class RemoteAgentLoop:
                 sampling=dict(sampling or cfg.sampling or {}) or None,
                 model=None,
                 routed_experts=cfg.routed_experts,
+                budget=dict(cfg.budget) if cfg.budget else None,
             )
             attempt.trial_id = trial.trial_id
             attempt.advance(AttemptState.REGISTERED)
@@ -310,6 +322,10 @@ class RemoteAgentLoop:
                 current_version=version,
                 max_staleness=cfg.max_staleness or 0,
                 stale=cfg.stale,
+                agents=cfg.agents,
+                kinds=cfg.agent_kinds,
+                infra_error=cfg.infra_error,
+                failure_reward=cfg.failure_reward,
             )
             if not samples:
                 attempt.error = _why_no_samples(export, cfg, version)
@@ -386,6 +402,10 @@ class RemoteAgentLoop:
 def _why_no_samples(export: dict[str, Any], cfg: AgentLoopConfig, version: int | None) -> str:
     if not export.get("trajectories"):
         return "the agent made no model call through the proxy"
+    if export.get("outcome") == "infra_error" and cfg.infra_error is InfraErrors.DROP:
+        return "the episode ended in an infra error (not the policy's doing): dropped"
+    if not build_samples(export, agents=cfg.agents, kinds=cfg.agent_kinds):
+        return f"no trajectory of the agents kept (agents={cfg.agents}, kinds={cfg.agent_kinds})"
     if not build_samples(export, keep_undelivered=cfg.keep_undelivered):
         return (
             "no reply reached the agent (every turn was undelivered or superseded by a "

@@ -15,7 +15,7 @@ import os
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -200,12 +200,15 @@ class ProxyClient(HttpClient):
         chat_template_kwargs: dict[str, Any] | None = None,
         cap_finish: str | None = None,
         routed_experts: bool = False,
+        budget: dict[str, int] | None = None,
     ) -> TrialSession:
         """Register a trial. ``history`` (``"keep"``, the default, or ``"template"``),
         ``chat_template_kwargs`` and ``cap_finish`` (``"length"``, the default, or
         ``"stop"``) are session options: see the README. ``routed_experts``: record which
         experts a mixture-of-experts policy routed every token to (rollout routing
-        replay; the export's ``routed_experts``, ``Sample.routed_experts``)."""
+        replay; the export's ``routed_experts``, ``Sample.routed_experts``). ``budget``
+        (``{"turns": N, "tokens": M}``): what the trial may spend; a request after it is
+        refused and the trial's outcome is ``budget_exhausted``."""
         payload: dict[str, Any] = {"metadata": metadata or {}}
         options = {
             "sampling": sampling,
@@ -214,6 +217,7 @@ class ProxyClient(HttpClient):
             "chat_template_kwargs": chat_template_kwargs,
             "cap_finish": cap_finish,
             "routed_experts": True if routed_experts else None,
+            "budget": budget,
         }
         payload.update({k: v for k, v in options.items() if v is not None})
         if trial_id is not None:
@@ -231,6 +235,14 @@ class ProxyClient(HttpClient):
             "GET", trial_id, f"/sessions/{trial_id}/trajectories"
         )
         return result
+
+    async def agents(self, trial_id: str) -> list[dict[str, Any]]:
+        """The trial's agents (``GET /sessions/<trial>/agents``): each with its id,
+        parent, kind, the call that spawned it and its turns."""
+        result: dict[str, Any] = await self._trial_request(
+            "GET", trial_id, f"/sessions/{trial_id}/agents"
+        )
+        return list(result["agents"])
 
     async def image(self, trial_id: str, sha256: str) -> bytes:
         """The bytes of an image the trial's agent sent, as it sent them
@@ -288,9 +300,22 @@ class ProxyClient(HttpClient):
             image.data = found[image.sha256]
 
     async def complete(
-        self, trial_id: str, reward: float | dict[str, float] | None = None
+        self,
+        trial_id: str,
+        reward: float | dict[str, float] | None = None,
+        *,
+        outcome: str | None = None,
+        agent_rewards: Mapping[str, float] | None = None,
     ) -> dict[str, Any]:
-        payload = {} if reward is None else {"reward": reward}
+        """End the trial. ``outcome``: ``completed`` (with a reward), ``agent_error``,
+        ``infra_error``, ``timeout`` or ``budget_exhausted`` (None: ``budget_exhausted``
+        when the budget was spent, else ``completed``). ``agent_rewards``: rewards for
+        single agents by id (the others get ``reward``)."""
+        payload: dict[str, Any] = {} if reward is None else {"reward": reward}
+        if outcome is not None:
+            payload["outcome"] = outcome
+        if agent_rewards:
+            payload["agent_rewards"] = dict(agent_rewards)
         result: dict[str, Any] = await self._trial_request(
             "POST", trial_id, f"/sessions/{trial_id}/complete", payload
         )

@@ -48,6 +48,24 @@ asynchronous trainers bound by default) is stale. ``stale`` says what happens th
 Without ``current_version`` nothing is stale (a synchronous trainer samples each batch
 with the weights it trains).
 
+Agents: every trajectory is one agent's (``agent_id``, ``agent_kind``: the trial's main
+agent ``main``, or a sub-agent it spawned; the kinds are ``main``, ``subagent``,
+``compaction`` and ``auxiliary``), and every sample carries them. ``agents="all"`` (default)
+keeps every agent's, ``"main"`` the main agent's only (its compaction and side requests
+included, unless ``kinds`` leaves them out); ``kinds`` keeps the given kinds only
+(``TRAINED_KINDS`` leaves out auxiliary requests: titles, summaries asked on the side).
+The branch policy applies per agent: ``longest`` keeps each agent's longest trajectory.
+A sample's reward is its agent's in ``agent_rewards`` where the trainer gave one, else
+the trial's.
+
+Outcomes: the export's ``outcome`` says how the episode ended (``completed``,
+``agent_error``, ``infra_error``, ``timeout``, ``budget_exhausted``; None from a proxy
+that predates them), carried on every sample. An ``infra_error`` episode is not the
+policy's doing: ``infra_error="drop"`` (default) makes no sample of it, ``"mask"`` keeps
+its samples with mask all 0 and no reward. A missing reward stays None, never 0;
+``failure_reward`` (None by default) is the reward of an ``agent_error``, ``timeout`` or
+``budget_exhausted`` episode that has none.
+
 Only what the agent received is trained: a turn whose reply never reached the client
 (``delivered: false``: the client left mid-reply, or the proxy died between recording the
 reply and writing it) or that a retry replaced (another turn's ``retry_of``) is left out,
@@ -85,7 +103,7 @@ from __future__ import annotations
 import base64
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +129,24 @@ class OverlongPrompt(enum.StrEnum):
 class StaleTokens(enum.StrEnum):
     MASK = "mask"
     DROP = "drop"
+
+
+class AgentSelection(enum.StrEnum):
+    ALL = "all"
+    MAIN = "main"
+
+
+class InfraErrors(enum.StrEnum):
+    DROP = "drop"
+    MASK = "mask"
+
+
+MAIN_AGENT = "main"
+AGENT_KINDS = frozenset({"main", "subagent", "compaction", "auxiliary"})
+# Every kind but the side requests an agent makes (titles, summaries asked for aside).
+TRAINED_KINDS = frozenset({"main", "subagent", "compaction"})
+# Outcomes that are the policy's doing, and may get ``failure_reward``.
+POLICY_FAILURES = frozenset({"agent_error", "timeout", "budget_exhausted"})
 
 
 DEFAULT_MAX_STALENESS = 1
@@ -264,6 +300,11 @@ class Sample:
     # R3: the experts each position of prompt_ids + response_ids but the last was routed
     # to at rollout, [len(ids) - 1, layers, top_k] (None: the session recorded no routing).
     routed_experts: np.ndarray[Any, Any] | None = None
+    # The agent whose trajectory it is ("main": the trial's main agent) and its kind.
+    agent_id: str = MAIN_AGENT
+    agent_kind: str = "main"
+    # How the episode ended (None: the export does not say).
+    outcome: str | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -313,12 +354,33 @@ def build_samples(
     max_staleness: int = DEFAULT_MAX_STALENESS,
     stale: StaleTokens = StaleTokens.MASK,
     keep_undelivered: bool = False,
+    agents: AgentSelection | str = AgentSelection.ALL,
+    kinds: Collection[str] | None = None,
+    infra_error: InfraErrors | str = InfraErrors.DROP,
+    failure_reward: float | None = None,
 ) -> list[Sample]:
+    agents, infra_error = AgentSelection(agents), InfraErrors(infra_error)
+    unknown = set(kinds or ()) - AGENT_KINDS
+    if unknown:
+        raise ValueError(f"unknown agent kinds {sorted(unknown)}; kinds: {sorted(AGENT_KINDS)}")
+    outcome = export.get("outcome")
+    if outcome == "infra_error" and infra_error is InfraErrors.DROP:
+        return []
     origin, trajectories = _received(export.get("trajectories", []), keep_undelivered)
     if not trajectories:
         return []
-    chosen = _chosen(list(enumerate(trajectories)), policy)
+    candidates = [
+        (i, traj)
+        for i, traj in enumerate(trajectories)
+        if (agents is AgentSelection.ALL or _agent(traj)[0] == MAIN_AGENT)
+        and (kinds is None or _agent(traj)[1] in kinds)
+    ]
+    chosen = [pick for group in _by_agent(candidates) for pick in _chosen(group, policy)]
+    chosen.sort(key=lambda item: item[0])
     reward = scalar_reward(export.get("reward"), reward_key)
+    if reward is None and outcome in POLICY_FAILURES:
+        reward = failure_reward
+    agent_rewards = export.get("agent_rewards") or {}
     drafts: list[_Draft] = []
     for branch, traj in chosen:
         draft = _draft(branch, traj, max_prompt_tokens, max_response_tokens, overlong_prompt)
@@ -349,6 +411,13 @@ def build_samples(
             for i in stale_at:
                 mask[i] = 0
             stale_tokens = len(stale_at)
+        agent_id, agent_kind = _agent(traj)
+        sample_reward = reward
+        if agent_id in agent_rewards:
+            sample_reward = scalar_reward(agent_rewards[agent_id], reward_key)
+        if outcome == "infra_error":  # kept to fill a batch, never trained or rewarded
+            mask = [0] * len(mask)
+            sample_reward = None
         samples.append(
             Sample(
                 trial_id=str(export.get("trial_id", "")),
@@ -356,7 +425,7 @@ def build_samples(
                 response_ids=draft.response,
                 response_mask=mask,
                 response_logprobs=draft.logprobs,
-                reward=reward,
+                reward=sample_reward,
                 num_turns=len(traj["turns"]),
                 branch=origin[draft.branch],
                 prompt_truncated=draft.prompt_truncated,
@@ -368,9 +437,33 @@ def build_samples(
                 stale_tokens=stale_tokens,
                 images=draft.images,
                 routed_experts=draft.routed_experts,
+                agent_id=agent_id,
+                agent_kind=agent_kind,
+                outcome=None if outcome is None else str(outcome),
             )
         )
     return samples
+
+
+def main_sample(samples: Sequence[Sample]) -> Sample:
+    """The sample a trainer that takes one completion per prompt trains: the main agent's
+    (its first), else the first."""
+    return next((s for s in samples if s.agent_id == MAIN_AGENT), samples[0])
+
+
+def _agent(traj: dict[str, Any]) -> tuple[str, str]:
+    """A trajectory's agent id and kind (an export from before agents: the main agent)."""
+    return str(traj.get("agent_id", MAIN_AGENT)), str(traj.get("agent_kind", "main"))
+
+
+def _by_agent(
+    candidates: list[tuple[int, dict[str, Any]]],
+) -> list[list[tuple[int, dict[str, Any]]]]:
+    """The trajectories grouped by agent, in order of each agent's first."""
+    groups: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for item in candidates:
+        groups.setdefault(_agent(item[1])[0], []).append(item)
+    return list(groups.values())
 
 
 def _chosen(

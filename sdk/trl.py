@@ -13,7 +13,9 @@ agent callable through ``sdk.taskserver.inprocess``) against the proxy:
 * ``relay_reward``: the episode's reward, for the reward function ``relay_reward`` (TRL
   forwards every extra key to the reward functions as a keyword argument);
 * ``relay_versions``: per completion token, the weights version that sampled it (-1 where
-  the mask is 0); ``relay_trial_id``: the trial each completion came from.
+  the mask is 0); ``relay_trial_id``: the trial each completion came from;
+  ``relay_agent`` and ``relay_agent_kind``: the agent whose trajectory it is (TRL takes
+  one completion per prompt: the main agent's where the trial has sub-agents).
 
 The prompt is a task reference: ``task_of(prompt)`` gives the task handed to the agent
 loop (by default the prompt itself, a task directory). TRL passes nothing but the prompts
@@ -102,13 +104,16 @@ from sdk.agent_loop import RemoteAgentLoop, RolloutResult
 from sdk.client import ProxyClient
 from sdk.exceptions import RoutingReplayError, VisionRolloutError
 from sdk.routing import BatchReplay
-from sdk.samples import BranchPolicy, Sample
+from sdk.samples import BranchPolicy, Sample, main_sample
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 REWARD_KEY = "relay_reward"
+# Each episode's agent (the trial's main agent, "main", or a sub-agent) and its kind.
+AGENT_KEY = "relay_agent"
+AGENT_KIND_KEY = "relay_agent_kind"
 VERSIONS_KEY = "relay_versions"
 TRIAL_KEY = "relay_trial_id"
 CHECKPOINT_PREFIX = "step-"
@@ -430,7 +435,7 @@ class RelayRollout:
         assert self.served_version is not None  # sync_weights asked the proxy
         started = time.monotonic()
         results = self.loop.run(self._episodes(prompts, self.served_version))
-        samples = [result.samples[0] for result in results]
+        samples = [main_sample(result.samples) for result in results]
         refuse_images(samples)  # before anything else sees the batch
         batch = RolloutBatch(
             step=self.served_version,
@@ -521,4 +526,6 @@ def rollout_output(samples: Sequence[Sample]) -> dict[str, list[Any]]:
         REWARD_KEY: [s.reward for s in samples],
         VERSIONS_KEY: [token_versions(s) for s in samples],
         TRIAL_KEY: [s.trial_id for s in samples],
+        AGENT_KEY: [s.agent_id for s in samples],
+        AGENT_KIND_KEY: [s.agent_kind for s in samples],
     }

@@ -101,10 +101,12 @@ from sdk.exceptions import ImageSpanError, RemoteAgentLoopError
 from sdk.images import decode, forward_inputs
 from sdk.samples import (
     DEFAULT_MAX_STALENESS,
+    AgentSelection,
     BranchPolicy,
     OverlongPrompt,
     Sample,
     StaleTokens,
+    main_sample,
 )
 from sdk.taskserver.base import TaskServer
 
@@ -145,6 +147,10 @@ class RemoteAgentSettings:
     retry_backoff_seconds: float = 0.5
     # R3: record each token's experts and return them as AgentLoopOutput.routed_experts.
     routed_experts: bool = False
+    # verl takes one output per row: the main agent's trajectory by default ("all": the
+    # first kept of every agent's); kinds to keep (None: all).
+    agents: str = "main"
+    agent_kinds: list[str] | None = None
 
     @classmethod
     def from_sources(cls, kwargs: Mapping[str, Any], section: Any) -> RemoteAgentSettings:
@@ -304,6 +310,9 @@ def to_output(sample: Sample, result: RolloutResult, processor: Any = None) -> A
         "response_truncated": sample.response_truncated,
         "stale_tokens": sample.stale_tokens,
         "current_version": result.current_version,
+        "agent_id": sample.agent_id,
+        "agent_kind": sample.agent_kind,
+        "outcome": sample.outcome,
     }
     # Only set when there are images: verl's as_dict leaves unset fields out.
     images = multi_modal_data(sample, processor)
@@ -425,6 +434,8 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
                 stale=StaleTokens(settings.stale),
                 retry_backoff_seconds=settings.retry_backoff_seconds,
                 routed_experts=settings.routed_experts,
+                agents=AgentSelection(settings.agents),
+                agent_kinds=frozenset(settings.agent_kinds) if settings.agent_kinds else None,
             ),
         )
         metadata = {"index": _plain(kwargs.get("index")), "data_source": kwargs.get("data_source")}
@@ -434,7 +445,7 @@ class RemoteAgentLoop(AgentLoopBase):  # type: ignore[misc,unused-ignore]
             if settings.on_failure == "raise":
                 raise
             return self._failed_output(kwargs, exc, shared)
-        sample = result.samples[0]
+        sample = main_sample(result.samples)
         if sample.routed_experts is not None:
             shared.routing_shape = (
                 int(sample.routed_experts.shape[1]),

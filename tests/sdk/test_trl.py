@@ -39,7 +39,7 @@ from tests.sdk.inprocess_agents import VersionBumpAgent, chat_calls, one_call
 
 ADMIN = "admin-secret"
 KEYS = {"prompt_ids", "completion_ids", "logprobs", "env_mask"}
-KEYS |= {"relay_reward", "relay_versions", "relay_trial_id"}
+KEYS |= {"relay_reward", "relay_versions", "relay_trial_id", "relay_agent", "relay_agent_kind"}
 
 
 @dataclass(slots=True)
