@@ -168,6 +168,7 @@ class HFEngine:
         self._cache_ids = 0
         self._lock = asyncio.Lock()
         self._cache_argument: str | None = None
+        self._keeps_logits = False  # whether the model's forward takes logits_to_keep
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hf-{name}")
         self._aborted: set[str] = set()
         self._running: set[str] = set()
@@ -232,13 +233,20 @@ class HFEngine:
 
     # ------------------------------------------------------------------ torch (executor)
 
-    def _run(self, chunk: Any, cache: Any, **inputs: Any) -> Any:
-        """One forward pass on top of ``cache``. transformers renamed the argument from
-        ``past_key_values`` to ``cache`` (5.24, the old name deprecated): the model's own
-        signature says which one it takes."""
+    def _run(self, chunk: Any, cache: Any, keep: int, **inputs: Any) -> Any:
+        """One forward pass on top of ``cache``, with the logits of the chunk's last
+        ``keep`` positions only: the output layer over a whole chunk costs more than the
+        rest of a small model's forward (a 2048-token chunk on a 150k-token vocabulary is
+        1.2 GB of float32 logits) and only these rows are read. transformers renamed the
+        cache argument from ``past_key_values`` to ``cache`` (5.24, the old name
+        deprecated): the model's own signature says which one it takes, and whether it
+        takes ``logits_to_keep``."""
         if self._cache_argument is None:
             names = inspect.signature(self.model.forward).parameters
             self._cache_argument = "cache" if "cache" in names else "past_key_values"
+            self._keeps_logits = "logits_to_keep" in names
+        if self._keeps_logits:
+            inputs["logits_to_keep"] = keep
         return self.model(
             input_ids=chunk, use_cache=True, **{self._cache_argument: cache}, **inputs
         )
@@ -283,7 +291,7 @@ class HFEngine:
         with torch.inference_mode():
             for lo, hi, inputs in self._chunks(start, len(ids), vision):
                 chunk = torch.tensor([list(ids[lo:hi])], device=self.device)
-                out = self._run(chunk, cache, **inputs)
+                out = self._run(chunk, cache, 1, **inputs)
                 logits = out.logits[0, -1].float()
         return logits
 
@@ -647,11 +655,13 @@ class HFEngine:
         with torch.inference_mode():
             for start, end, inputs in self._chunks(0, len(ids) - 1, vision):
                 chunk = torch.tensor([ids[start:end]], device=self.device)
-                logits = self._run(chunk, cache, **inputs).logits[0]
+                lo = max(first, start)
+                # Only the rows that predict response tokens are read (a chunk of prompt
+                # alone keeps one, the least the forward returns).
+                logits = self._run(chunk, cache, max(end - lo, 1), **inputs).logits[0]
                 if end <= first:
                     continue
-                lo = max(first, start)
-                logprobs = torch.log_softmax(logits[lo - start :].float(), dim=-1)
+                logprobs = torch.log_softmax(logits[-(end - lo) :].float(), dim=-1)
                 targets = torch.tensor(ids[lo + 1 : end + 1], device=self.device)
                 out.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
         return out
