@@ -7,6 +7,11 @@ and the worker are the real ones, the *choice* of tokens is scripted, and every 
 logprob is the tiny model's own raw logprob given the exact prompt the worker received,
 so fidelity re-scoring of the recorded trajectories is a real check.
 
+Agents resend a growing prefix every turn (Claude Code's system prompt and tools are ~20k
+tokens), so the engine keeps the KV cache of the last sequence it scored and runs only what
+follows the shared prefix, as the hf engine's own generation does; the fidelity checks
+re-score whole trajectories with ``HFEngine.score``, which reuses nothing.
+
 Like a real model, the policy calls only tools its prompt shows: a reply scripted as a
 ``Turn`` keeps a tool call only when the prompt it is given contains that tool's name and
 definition, so a template that drops the agent's tools cannot pass unnoticed (the calls
@@ -73,6 +78,9 @@ class ScriptedEngine:
         self.sampled: list[list[int]] = []
         # The tools a Turn meant to call that its prompt did not show.
         self.unseen: list[str] = []
+        # The KV cache of the last sequence scored, and the ids it holds.
+        self._cache: Any = None
+        self._cached: list[int] = []
 
     @property
     def card(self) -> ModelCard:
@@ -113,11 +121,49 @@ class ScriptedEngine:
         ids = ids[: sampling.max_tokens]
         self.prompts.append(list(prompt_ids))
         self.sampled.append(ids)
-        logprobs = self.scorer.score(prompt_ids, ids)
+        logprobs = self._logprobs(prompt_ids, ids)
         for at in range(0, len(ids) - 3, 3):  # streamed in small chunks, as an engine does
             yield TokenChunk(ids[at : at + 3], logprobs[at : at + 3])
         tail = (len(ids) - 1) // 3 * 3 if len(ids) > 3 else 0
         yield TokenChunk(ids[tail:], logprobs[tail:], finish)
+
+    def _logprobs(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> list[float]:
+        """The scorer's raw logprob of each of ``ids`` after ``prompt_ids`` (what
+        ``HFEngine.score`` gives), running forward only what follows the prefix shared
+        with the last sequence scored."""
+        import torch
+        from transformers import DynamicCache
+
+        if not ids:
+            return []
+        sequence = [*prompt_ids, *ids]
+        first = len(prompt_ids) - 1  # the position whose logits predict ids[0]
+        shared = 0
+        for a, b in zip(self._cached, sequence, strict=False):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, first)
+        if self._cache is None or shared == 0:
+            self._cache, shared = DynamicCache(config=self.scorer.model.config), 0
+        elif shared < len(self._cached):
+            self._cache.crop(shared - len(self._cached))  # negative: tokens to drop
+        self._cached = []  # until the cache holds what it is going to
+        out: list[float] = []
+        step = self.scorer.prefill_chunk
+        with torch.inference_mode():
+            for start in range(shared, len(sequence) - 1, step):
+                end = min(start + step, len(sequence) - 1)
+                lo = max(first, start)
+                chunk = torch.tensor([sequence[start:end]], device=self.scorer.device)
+                logits = self.scorer._run(chunk, self._cache, max(end - lo, 1)).logits[0]
+                if end <= first:
+                    continue
+                logprobs = torch.log_softmax(logits[-(end - lo) :].float(), dim=-1)
+                targets = torch.tensor(sequence[lo + 1 : end + 1], device=self.scorer.device)
+                out.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+        self._cached = sequence[:-1]
+        return out
 
     async def abort(self, request_id: str) -> None:
         return None
