@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -96,6 +97,18 @@ def clis() -> Path:
     """The CLIs, installed once under .cache/npm."""
     subprocess.run([str(ROOT / "scripts" / "agent-clis.sh")], check=True, cwd=ROOT)
     return BIN
+
+
+@pytest.fixture
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The agent's home and working directory: the same path in every test, emptied before
+    each. Claude Code's system prompt names its working directory ahead of its ~20k tokens
+    of tool definitions, so with one path the scripted engine's cached prefix serves the
+    next test's first request too."""
+    path = tmp_path_factory.getbasetemp() / "agent-home"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +234,7 @@ async def test_agent_cli_runs_a_reasoning_episode_as_one_chain(
     agent_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
     agent: str,
     family: str,
-    tmp_path: Path,
+    home: Path,
 ) -> None:
     """The agent runs both commands and reports them; the session is one trajectory of
     continued turns, each later request sends the earlier turns' reasoning back, the
@@ -234,7 +247,7 @@ async def test_agent_cli_runs_a_reasoning_episode_as_one_chain(
     engine.policy = policy(AGENTS[agent])
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(model=family)
-        _, output = await run_agent(clis, agent, trial, family, tmp_path)
+        _, output = await run_agent(clis, agent, trial, family, home)
         export = await proxy.trajectories(trial.trial_id)
 
     assert engine.unseen == []  # the policy saw the tool it called
@@ -276,7 +289,7 @@ async def test_a_reply_cut_by_the_trainers_cap(
     agent_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
     agent: str,
     cap_finish: str,
-    tmp_path: Path,
+    home: Path,
 ) -> None:
     """The session caps replies at 96 tokens; the final answer is longer. With
     ``cap_finish: "length"`` the agent is told its own limit was hit and fails the run;
@@ -291,7 +304,7 @@ async def test_a_reply_cut_by_the_trainers_cap(
         trial = await proxy.create_session(
             model="qwen3", sampling={"max_tokens": 96}, cap_finish=cap_finish
         )
-        code, output = await run_agent(clis, agent, trial, "qwen3", tmp_path, check=False)
+        code, output = await run_agent(clis, agent, trial, "qwen3", home, check=False)
         export = await proxy.trajectories(trial.trial_id)
         summary = await proxy.get_session(trial.trial_id)
 
@@ -316,7 +329,7 @@ async def test_a_reply_cut_by_the_trainers_cap(
 async def test_codex_resends_a_lost_stream_and_gets_the_recorded_reply(
     clis: Path,
     agent_stack: tuple[RunningProxy, dict[str, ScriptedEngine]],
-    tmp_path: Path,
+    home: Path,
 ) -> None:
     """Codex's first stream is lost on the wire after the proxy wrote all of it: Codex
     sends the whole request again (its ``x-client-request-id`` unchanged) and gets the
@@ -332,7 +345,7 @@ async def test_codex_resends_a_lost_stream_and_gets_the_recorded_reply(
         async with ProxyClient(running.url) as proxy:
             trial = await proxy.create_session(model="qwen3")
             through = dataclasses.replace(trial, base_url=link.url(trial.base_url))
-            _, output = await run_agent(clis, "codex", through, "qwen3", tmp_path)
+            _, output = await run_agent(clis, "codex", through, "qwen3", home)
             export = await proxy.trajectories(trial.trial_id)
     finally:
         await link.stop()
