@@ -415,7 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write the tiny random-weight test model")
     t.add_argument("out_dir", type=Path)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--no-imprint", action="store_true", help="pure random weights")
+    t.add_argument(
+        "--no-imprint",
+        action="store_true",
+        help="the seed's random weights, untrained (the text model and the MoE)",
+    )
     t.add_argument(
         "--family",
         type=Path,
@@ -937,7 +941,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.moe:
                 from worker_client.tiny_moe import write_tiny_moe
 
-                path = write_tiny_moe(args.out_dir, seed=args.seed, **heads)
+                path = write_tiny_moe(
+                    args.out_dir, seed=args.seed, imprint=not args.no_imprint, **heads
+                )
             elif args.vlm:
                 from worker_client.tiny_vlm import write_tiny_vlm
 

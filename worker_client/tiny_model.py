@@ -388,13 +388,17 @@ def _training_sequences(
 IMPRINT_STEPS = 400
 
 
-def _imprint(
+def imprint_tool_use(
     model: Any,
     tokenizer: Any,
     rng: random.Random,
     steps: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
+    """Train ``model`` for ``steps`` steps on synthetic chats in which the assistant answers
+    or calls the tools it is offered (the loss on its own tokens only): a tiny model so
+    trained writes well-formed tool calls some of the time, which an agent can act on and
+    a reward can tell apart. ``progress(done, steps)`` every tenth of the steps."""
     import torch
 
     sequences = _training_sequences(tokenizer, rng, 256)
@@ -441,7 +445,9 @@ def write_tiny_model(
         eos_ids=[end, pad],
         pad_id=pad,
         seed=seed,
-        train=(lambda m: _imprint(m, tokenizer, rng, IMPRINT_STEPS, progress)) if imprint else None,
+        train=(lambda m: imprint_tool_use(m, tokenizer, rng, IMPRINT_STEPS, progress))
+        if imprint
+        else None,
     )
     return save_atomically(out_dir, model, tokenizer)
 

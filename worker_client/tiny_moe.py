@@ -8,19 +8,25 @@ token (``norm_topk_prob``), on the tiny text model's tokenizer and ChatML templa
 that which experts a token goes to matters to what the model samples: forcing another
 routing moves the sampled tokens' logprobs by nats. About 0.39M parameters.
 
-The project ships one, written by ``write_tiny_moe(SHIPPED_TINY_MOE)`` (seed 0); it is not
-trained, so a generated one equals the shipped one on any machine. ``rollout-relay
-tiny-model --moe DIR`` writes a new one.
+Then it is trained as the tiny text model is, on the same synthetic tool-using chats, so that
+it calls the tools an agent offers some of the time: ``make train-moe`` rewards one of them,
+and a policy that never calls it has nothing to learn from (every advantage zero). The
+project ships one, written by ``write_tiny_moe(SHIPPED_TINY_MOE)`` (seed 0);
+``rollout-relay tiny-model --moe DIR`` writes a new one (a few minutes on two cores).
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from worker_client.tiny_model import (
     CONTEXT_WINDOW,
+    IMPRINT_STEPS,
     SHIPPED_TINY_MODEL,
+    imprint_tool_use,
     save_atomically,
     seeded_model,
 )
@@ -39,10 +45,20 @@ EXPERT_SCALE = 10.0
 EMBEDDING_SCALE = 4.0
 
 
-def write_tiny_moe(out_dir: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
+def write_tiny_moe(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    head_dim: int = 16,
+    imprint: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write the tiny MoE model to ``out_dir`` (replacing it atomically); return the path.
     ``head_dim``: its four attention heads' width (16 shipped; 32 for vLLM's CPU attention,
-    which takes no narrower ones: another model, drawn from the same seed)."""
+    which takes no narrower ones: another model, drawn from the same seed). ``imprint``:
+    trained as the tiny text model is (``tiny_model.IMPRINT_STEPS`` steps on its synthetic
+    chats, ``progress(done, total)`` every tenth), so that it calls the tools it is offered
+    some of the time; without it, the scaled random weights alone."""
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tokenizer: Any = AutoTokenizer.from_pretrained(SHIPPED_TINY_MODEL)
@@ -69,8 +85,14 @@ def write_tiny_moe(out_dir: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
         eos_token_id=end,
         pad_token_id=pad,
     )
+
+    def shape(model: Any) -> None:
+        _scale(model)
+        if imprint:
+            imprint_tool_use(model, tokenizer, random.Random(seed), IMPRINT_STEPS, progress)
+
     model = seeded_model(
-        Qwen3MoeForCausalLM, config, seed=seed, eos_ids=[end, pad], pad_id=pad, shape=_scale
+        Qwen3MoeForCausalLM, config, seed=seed, eos_ids=[end, pad], pad_id=pad, shape=shape
     )
     return save_atomically(out_dir, model, tokenizer)
 

@@ -85,7 +85,9 @@ def test_a_short_training_run_is_on_policy_at_every_step(
 def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_thread: None) -> None:
     """``make train-moe`` in short form: the session records routing, the trainer's forward
     replays it, and every step is on-policy with the routers forced to the rollout's
-    experts (the replayed gap is measured, not skipped)."""
+    experts (the replayed gap is measured, not skipped). The tiny MoE calls the rewarded
+    tool in some episodes and not in others: GRPO has something to learn from (an MoE that
+    never called it got reward 0 in every episode, every advantage zero)."""
     from worker_client.tiny_moe import SHIPPED_TINY_MOE
 
     settings = TrainSettings(
@@ -99,3 +101,4 @@ def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_threa
         assert figures.gap_r3 <= GAP_LIMIT  # a number: NaN would fail this
     for batch in report.batches:
         assert all(sample.routed_experts is not None for sample in batch.samples)
+    assert {r for batch in report.batches for r in batch.rewards} == {0.0, 1.0}

@@ -24,10 +24,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_shipped_moe_is_the_generators_output(tmp_path: Path) -> None:
-    """The shipped tiny MoE is what ``write_tiny_moe`` writes for seed 0, weights included;
-    a change to the generator fails here until ``rollout-relay tiny-model --moe
-    worker_client/assets/tiny-moe`` writes it again."""
-    fresh = write_tiny_moe(tmp_path / "fresh", seed=0)
+    """The shipped tiny MoE is what ``write_tiny_moe`` writes for seed 0: the same
+    tokenizer, template and configuration, and weights of the same names and shapes,
+    trained from the seed's scaled initialisation (their values come from training, which
+    rounds differently on each processor). A change to the generator fails here until
+    ``rollout-relay tiny-model --moe worker_client/assets/tiny-moe`` writes it again."""
+    fresh = write_tiny_moe(tmp_path / "fresh", seed=0, imprint=False)
     assert sorted(p.name for p in SHIPPED_TINY_MOE.iterdir()) == sorted(
         p.name for p in fresh.iterdir()
     )
@@ -40,9 +42,19 @@ def test_the_shipped_moe_is_the_generators_output(tmp_path: Path) -> None:
         )
         assert ours == theirs, name
     shipped = load_file(SHIPPED_TINY_MOE / "model.safetensors")
-    generated = load_file(fresh / "model.safetensors")
-    assert shipped.keys() == generated.keys()
-    assert all(torch.equal(shipped[k], generated[k]) for k in shipped)
+    initial = load_file(fresh / "model.safetensors")
+    assert {k: v.shape for k, v in shipped.items()} == {k: v.shape for k, v in initial.items()}
+    # Trained, not the seed's scaled initialisation.
+    assert any(not torch.equal(shipped[k], initial[k]) for k in shipped)
+
+
+def test_an_untrained_moe_is_the_seeds_alone(tmp_path: Path) -> None:
+    """Without imprinting, the same seed writes the same weights; another seed others."""
+    a = load_file(write_tiny_moe(tmp_path / "a", seed=3, imprint=False) / "model.safetensors")
+    b = load_file(write_tiny_moe(tmp_path / "b", seed=3, imprint=False) / "model.safetensors")
+    c = load_file(write_tiny_moe(tmp_path / "c", seed=4, imprint=False) / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
 def test_its_routers_are_found_in_layer_order(tiny_moe: Any, tiny_model_dir: Path) -> None:
@@ -82,12 +94,14 @@ def test_routing_captured_in_generation_equals_teacher_forcing(
 
 
 def test_the_cli_writes_one(tmp_path: Path) -> None:
-    """``rollout-relay tiny-model --moe DIR`` writes a model with routers."""
-    assert main(["tiny-model", "--moe", str(tmp_path / "moe")]) == 0
+    """``rollout-relay tiny-model --moe DIR`` writes a model with routers (untrained with
+    --no-imprint, which takes seconds instead of minutes)."""
+    assert main(["tiny-model", "--moe", "--no-imprint", str(tmp_path / "moe")]) == 0
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
 def test_the_cli_writes_one_vllm_runs(tmp_path: Path) -> None:
     """``--head-dim 32`` gives the MoE heads vLLM's CPU attention takes."""
-    assert main(["tiny-model", "--moe", "--head-dim", "32", str(tmp_path / "moe")]) == 0
+    command = ["tiny-model", "--moe", "--no-imprint", "--head-dim", "32", str(tmp_path / "moe")]
+    assert main(command) == 0
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["head_dim"] == 32

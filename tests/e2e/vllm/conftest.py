@@ -58,7 +58,7 @@ def moe_model() -> Path:
     from worker_client.tiny_moe import write_tiny_moe
 
     path = MODELS / "moe-hd32"
-    return _written(path, lambda: write_tiny_moe(path, head_dim=32))
+    return _written(path, lambda: write_tiny_moe(path, head_dim=32, imprint=False))
 
 
 @pytest.fixture(scope="session")
