@@ -56,7 +56,8 @@ train: setup
 
 # The same on the shipped tiny mixture-of-experts model with rollout routing replay (R3):
 # each token's experts recorded at rollout and forced in the trainer's forward; each step
-# prints the on-policy gap with the trainer's own routing and with the recorded one (~1 min).
+# prints the on-policy gap with the trainer's own routing and with the recorded one
+# (~7 min on 2 cores; the reward rises from ~0.4 to ~0.9).
 train-moe: setup
 	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
 	$(BIN)/rollout-relay train --moe --routed-experts --out .cache/train-moe
