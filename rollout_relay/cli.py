@@ -20,6 +20,7 @@ from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
+from rollout_relay.worker_process import DEFAULT_VLLM_PYTHON
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
 
 T = TypeVar("T")
@@ -29,6 +30,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Where the tiny model is written when the installation does not ship it.
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "rollout-relay" / "tiny-model"
+# Where ``train --backend vllm`` writes it with heads 32 wide (vLLM's CPU attention).
+DEFAULT_VLLM_TINY_MODEL = DEFAULT_TINY_MODEL.with_name("tiny-model-hd32")
 
 
 def _proxy_args(parser: argparse.ArgumentParser, port: int) -> None:
@@ -488,6 +491,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout routing replay (R3): record each token's experts, replay them in training",
     )
     tr.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the worker that serves the policy: hf (in this process) or vllm (the real vLLM "
+        "engine, its CPU build, in a process of its own from --vllm-python; the model's "
+        "heads must be 32 wide or more: by default the tiny model widened to 32)",
+    )
+    tr.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_VLLM_PYTHON,
+        help="--backend vllm: the Python of vLLM's side environment (scripts/vllm-env.sh)",
+    )
+    tr.add_argument(
+        "--proxy",
+        default=None,
+        help="train through this proxy (http://host:port) and the workers it has, which serve "
+        "--model as version 0, instead of starting a proxy and a worker; the admin token "
+        "from --admin-token",
+    )
+    tr.add_argument(
+        "--admin-token",
+        default=os.environ.get("RELAY_ADMIN_TOKEN"),
+        help="--proxy: its admin token (env RELAY_ADMIN_TOKEN)",
+    )
+    tr.add_argument(
         "-v", "--verbose", action="store_true", help="log to the console, not to a file"
     )
 
@@ -834,6 +863,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.learning_rate <= 0:
         print("rollout-relay train: --learning-rate must be positive", file=sys.stderr)
         return 2
+    refusal = _train_refusal(args)
+    if refusal is not None:
+        print(f"rollout-relay train: {refusal}", file=sys.stderr)
+        return 2
     say = _console(
         "rollout-relay train: TRL's GRPOTrainer trains a policy through the proxy (CPU)",
         "train",
@@ -844,6 +877,8 @@ def _train(args: argparse.Namespace) -> int:
         from worker_client.tiny_moe import SHIPPED_TINY_MOE
 
         model = SHIPPED_TINY_MOE
+    elif args.backend == "vllm" and args.model is None and args.proxy is None:
+        model = ensure_vllm_tiny_model(say)
     else:
         model = ensure_tiny_model(args.model, say)
     say(f"[1/3] model: {model} (the workers' version 0 and the trainer's start)")
@@ -858,11 +893,47 @@ def _train(args: argparse.Namespace) -> int:
             prompts_per_step=args.prompts_per_step,
             torch_threads=args.torch_threads,
             routed_experts=args.routed_experts,
+            backend=args.backend,
+            vllm_python=args.vllm_python,
+            proxy_url=args.proxy,
+            admin_token=args.admin_token,
             say=say,
         )
     except KeyboardInterrupt:
         say("stopped")
         return 130
+
+
+def _train_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``rollout-relay train``'s flags do not go together (None: they do)."""
+    if args.proxy is not None and args.backend != "hf":
+        return "--proxy trains through the workers that proxy has; --backend starts one"
+    if args.backend == "vllm":
+        if args.moe or args.routed_experts:
+            return (
+                "--backend vllm trains the text model: vLLM's CPU build returns no routed "
+                "experts (its Model Runner V2 needs Triton)"
+            )
+        if not args.vllm_python.is_file():
+            return (
+                f"--backend vllm runs the worker from vLLM's side environment, and "
+                f"{args.vllm_python} is not there: run scripts/vllm-env.sh first (make "
+                "train-vllm does), or give --vllm-python"
+            )
+    return None
+
+
+def ensure_vllm_tiny_model(say: Callable[[str], None] = print) -> Path:
+    """The shipped tiny model with heads 32 wide, the narrowest vLLM's CPU attention
+    takes (the same function), written once next to ``DEFAULT_TINY_MODEL``."""
+    from worker_client.tiny_model import SHIPPED_TINY_MODEL, VLLM_HEAD_DIM, widen_heads
+
+    if not (DEFAULT_VLLM_TINY_MODEL / "model.safetensors").is_file():
+        say(
+            f"widening the tiny model's heads to {VLLM_HEAD_DIM} for vLLM: {DEFAULT_VLLM_TINY_MODEL}"
+        )
+        widen_heads(SHIPPED_TINY_MODEL, DEFAULT_VLLM_TINY_MODEL, head_dim=VLLM_HEAD_DIM)
+    return DEFAULT_VLLM_TINY_MODEL
 
 
 def _secured_config(args: argparse.Namespace) -> ProxyConfig | None:

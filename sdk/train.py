@@ -167,6 +167,9 @@ class TrainSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     max_concurrent: int = 16
     routed_experts: bool = False  # R3: record the rollout's routing and replay it
+    # The workers' engine backend, for the record and the plot (None: the workers of a
+    # proxy the run did not start).
+    backend: str | None = "hf"
 
 
 @dataclass(slots=True, frozen=True)
@@ -398,7 +401,8 @@ def plot(report: TrainReport, path: Path) -> Path:
         fontsize=7,
     )
     model = "tiny MoE, routing replayed" if report.settings.routed_experts else "tiny model"
-    fig.suptitle(f"GRPO (TRL) through rollout-relay: {model}, 2 CPU cores")
+    served = "vLLM worker (CPU build), " if report.settings.backend == "vllm" else ""
+    fig.suptitle(f"GRPO (TRL) through rollout-relay: {model}, {served}2 CPU cores")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

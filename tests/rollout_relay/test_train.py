@@ -55,3 +55,22 @@ def test_bad_settings_are_refused_before_anything_starts(
     assert main(["train", "--out", str(tmp_path / "out"), flag, value]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backend", "vllm", "--moe"], "vLLM's CPU build returns no routed experts"),
+        (["--backend", "vllm", "--routed-experts"], "vLLM's CPU build returns no routed experts"),
+        (["--backend", "vllm", "--vllm-python", "/nowhere/python"], "run scripts/vllm-env.sh"),
+        (["--backend", "vllm", "--proxy", "http://127.0.0.1:1"], "--proxy trains through"),
+    ],
+)
+def test_vllm_settings_that_cannot_run_are_refused(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--backend vllm with the MoE or routing replay, without vLLM's side environment, or
+    beside --proxy exits 2 with the reason before anything starts."""
+    assert main(["train", "--out", str(tmp_path / "out"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
