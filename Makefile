@@ -35,12 +35,15 @@ test-harbor: setup
 # 3.5 GB once; vLLM's compile caches stay in .cache/vllm-compile.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm-compile \
 	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/vllm-compile/inductor
+# torchvision's Python code alone (scripts/vllm-env.sh): vLLM's Qwen3-VL path imports
+# transformers' torchvision-based image processor. Only the real-engine tests get it.
+VLLM_SHIM := $(CURDIR)/.cache/vllm-venv/torchvision-shim
 test-vllm:
 	./scripts/vllm-env.sh
 	$(VLLM_ENV) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider --noconftest \
 		tests/worker_client/backends/test_vllm.py
-	$(VLLM_ENV) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider --durations=0 \
-		-c tests/e2e/vllm/pytest.ini --rootdir . tests/e2e/vllm
+	$(VLLM_ENV) PYTHONPATH=$(VLLM_SHIM) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider \
+		--durations=0 -c tests/e2e/vllm/pytest.ini --rootdir . tests/e2e/vllm
 
 # Installs only what the demo runs (`make test` adds the rest to the same .venv).
 demo:

@@ -16,8 +16,8 @@
 #      and vLLM would try them. A copy of that torchvision goes, installed --no-deps, into
 #      VENV/torchvision-shim with its operator registrations emptied: vLLM's Qwen3-VL
 #      path needs transformers' torchvision-based image processor, which then loads from
-#      its Python code alone when that folder is on PYTHONPATH (the image tests put it
-#      there; nothing else sees it).
+#      its Python code alone when that folder is on PYTHONPATH (`make test-vllm` puts
+#      it there for the real-engine tests; nothing else sees it).
 #   4. This repository, --no-deps, editable.
 # Idempotent: a second run with the same package set only checks the stamp file. vLLM's
 # compile caches live under .cache/ (see VLLM_ENV below) so that later engines start fast.

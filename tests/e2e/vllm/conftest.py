@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 
 from proxy.config import ProxyConfig  # noqa: E402
 from rollout_relay.embedded import RunningProxy, start_proxy  # noqa: E402
+from sdk.fidelity import FidelityReport  # noqa: E402
 from worker_client.backends.vllm import VLLMEngine  # noqa: E402
 from worker_client.client import ServedModel, WorkerClient  # noqa: E402
 
@@ -59,6 +60,15 @@ def moe_model() -> Path:
 
     path = MODELS / "moe-hd32"
     return _written(path, lambda: write_tiny_moe(path, head_dim=32, imprint=False))
+
+
+@pytest.fixture(scope="session")
+def vlm_model() -> Path:
+    """A tiny VLM with heads 32 wide (another model than the shipped one, same seed)."""
+    from worker_client.tiny_vlm import write_tiny_vlm
+
+    path = MODELS / "vlm-hd32"
+    return _written(path, lambda: write_tiny_vlm(path, head_dim=32))
 
 
 @pytest.fixture(scope="session")
@@ -115,3 +125,33 @@ async def served(
     finally:
         await running.stop()
         await engine.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start an engine of their own run before the shared text engine starts:
+    two engines both bound to core 0 slow each other's start-up by minutes."""
+    items.sort(key=lambda item: "served" in getattr(item, "fixturenames", ()))
+
+
+# The largest teacher-forcing gap each test saw, reported at the end of the run.
+GAPS: dict[str, float] = {}
+
+
+def within(report: FidelityReport, tolerance: float = 1e-4) -> bool:
+    """Whether ``report`` re-scored some sampled tokens within ``tolerance``; its gap is
+    kept for the run's summary."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    GAPS[test] = max(GAPS.get(test, 0.0), report.max_abs_error)
+    return report.sampled_tokens > 0 and report.max_abs_error <= tolerance
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    if not GAPS:
+        return
+    write = terminalreporter.write_line  # type: ignore[attr-defined]
+    write("")
+    write("teacher-forcing gaps (largest |vLLM logprob - transformers float32| per test):")
+    for test, gap in sorted(GAPS.items(), key=lambda item: -item[1]):
+        write(f"  {gap:.3g}  {test}")
+    worst = max(GAPS, key=GAPS.__getitem__)
+    write(f"largest teacher-forcing gap: {GAPS[worst]:.3g} ({worst})")

@@ -14,7 +14,7 @@ import pytest
 
 from sdk.client import ProxyClient, TrialSession
 from sdk.fidelity import check_fidelity
-from tests.e2e.vllm.conftest import TIMEOUT_FACTOR, Served
+from tests.e2e.vllm.conftest import TIMEOUT_FACTOR, Served, within
 from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
@@ -82,7 +82,7 @@ async def test_chat_completions(proxy: ProxyClient, teacher: HFEngine, stream: b
         await client.chat.completions.create(model="tiny", messages=HI, max_tokens=24)  # type: ignore[arg-type]
     report = await _gap(proxy, trial, teacher)
     assert report.sampled_tokens > 0
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -99,7 +99,7 @@ async def test_anthropic_messages(proxy: ProxyClient, teacher: HFEngine, stream:
         await client.messages.create(model="tiny", max_tokens=24, messages=HI)  # type: ignore[arg-type]
     report = await _gap(proxy, trial, teacher)
     assert report.sampled_tokens > 0
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -120,7 +120,7 @@ async def test_responses(proxy: ProxyClient, teacher: HFEngine, stream: bool) ->
         await client.responses.create(model="tiny", input=HI, max_output_tokens=24)  # type: ignore[arg-type]
     report = await _gap(proxy, trial, teacher)
     assert report.sampled_tokens > 0
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
 
 
 async def test_a_chain_continues_with_the_sampled_ids(
@@ -142,7 +142,7 @@ async def test_a_chain_continues_with_the_sampled_ids(
     (trajectory,) = export["trajectories"]
     assert len(trajectory["turns"]) == 3
     report = check_fidelity(export, teacher.score)
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
 
 
 async def test_the_cap_and_stop_strings(proxy: ProxyClient, teacher: HFEngine) -> None:
@@ -169,7 +169,7 @@ async def test_the_cap_and_stop_strings(proxy: ProxyClient, teacher: HFEngine) -
     assert stop not in (cut.choices[0].message.content or "")
     assert text.startswith(cut.choices[0].message.content or "")
     report = await _gap(proxy, trial, teacher)
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
 
 
 async def test_several_trials_at_once(proxy: ProxyClient, teacher: HFEngine) -> None:
@@ -182,7 +182,7 @@ async def test_several_trials_at_once(proxy: ProxyClient, teacher: HFEngine) -> 
     await asyncio.gather(*(turn(t) for t in trials))
     for trial in trials:
         report = await _gap(proxy, trial, teacher)
-        assert report.max_abs_error <= TOLERANCE, report
+        assert within(report, TOLERANCE), report
 
 
 async def test_a_client_that_hangs_up_aborts_the_engines_request(

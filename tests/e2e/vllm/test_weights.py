@@ -15,8 +15,8 @@ import pytest
 
 from sdk.client import ProxyClient, TrialSession
 from sdk.exceptions import ProxyRequestError
-from sdk.fidelity import check_fidelity, check_fidelity_by_version
-from tests.e2e.vllm.conftest import MODELS, Served
+from sdk.fidelity import FidelityReport, check_fidelity, check_fidelity_by_version
+from tests.e2e.vllm.conftest import MODELS, Served, within
 from worker_client.backends.hf import HFEngine
 
 pytestmark = pytest.mark.e2e
@@ -42,10 +42,10 @@ async def _turns(proxy: ProxyClient, count: int = 3) -> dict[str, Any]:
     return {"trajectories": trajectories}
 
 
-def _gap(export: dict[str, Any], teacher: HFEngine) -> float:
+def _report(export: dict[str, Any], teacher: HFEngine) -> FidelityReport:
     report = check_fidelity(export, teacher.score)
     assert report.sampled_tokens > 0
-    return report.max_abs_error
+    return report
 
 
 async def test_after_an_update_the_logprobs_are_the_new_checkpoints(
@@ -55,12 +55,12 @@ async def test_after_an_update_the_logprobs_are_the_new_checkpoints(
     1e-4 and far from the old one's; a checkpoint of other shapes is refused and the
     new weights keep serving, at their version."""
     old, new = HFEngine.load(text_model), HFEngine.load(other_checkpoint)
-    assert _gap(await _turns(proxy), old) <= TOLERANCE
+    assert within(_report(await _turns(proxy), old), TOLERANCE)
     report = await proxy.update_weights(1, str(other_checkpoint))
     assert report["version"] == 1
     export = await _turns(proxy)
-    assert _gap(export, new) <= TOLERANCE
-    assert _gap(export, old) > 1e-2
+    assert within(_report(export, new), TOLERANCE)
+    assert _report(export, old).max_abs_error > 1e-2
 
     from worker_client.tiny_model import SHIPPED_TINY_MODEL, widen_heads
 
@@ -71,7 +71,7 @@ async def test_after_an_update_the_logprobs_are_the_new_checkpoints(
         await proxy.update_weights(2, str(wider))
     assert "the served model's F32 [64, 64]" in str(caught.value)
     assert (await proxy.weights())["version"] == 1
-    assert _gap(await _turns(proxy), new) <= TOLERANCE
+    assert within(_report(await _turns(proxy), new), TOLERANCE)
 
 
 async def test_an_abort_update_continues_a_running_reply_on_the_new_weights(
@@ -102,4 +102,4 @@ async def test_an_abort_update_continues_a_running_reply_on_the_new_weights(
         before + 1: HFEngine.load(text_model).score,
     }
     report = check_fidelity_by_version(export, scorers)
-    assert report.max_abs_error <= TOLERANCE, report
+    assert within(report, TOLERANCE), report
