@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := rollout_relay proxy relay worker_client sdk deploy bench
 
-.PHONY: setup check lint typecheck test test-harbor test-vllm demo train train-moe up bench clean
+.PHONY: setup check lint typecheck test test-harbor test-vllm demo train train-moe train-vllm up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -64,6 +64,19 @@ train: setup
 train-moe: setup
 	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
 	$(BIN)/rollout-relay train --moe --routed-experts --out .cache/train-moe
+
+# The same with the policy served by the real vLLM engine (its CPU build, in the side
+# environment of test-vllm) in a worker process of its own that dials the proxy, the
+# trainer in .venv: every step's weights are reloaded into vLLM through POST /weights.
+# The tiny model's heads widened to 32 (vLLM's CPU attention takes no narrower ones).
+# ~11 min on two busy cores, the worker's start (~2.5 min) included.
+train-vllm: setup
+	$(BIN)/python -c 'import trl, matplotlib' 2>/dev/null || $(BIN)/pip install --quiet -e ".[train]"
+	./scripts/vllm-env.sh
+	test -f .cache/vllm-models/text-hd32/model.safetensors || \
+		$(BIN)/rollout-relay tiny-model --head-dim 32 .cache/vllm-models/text-hd32
+	$(VLLM_ENV) $(BIN)/rollout-relay train --backend vllm --model .cache/vllm-models/text-hd32 \
+		--out .cache/train-vllm
 
 up: setup
 	$(BIN)/rollout-relay up
