@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import signal
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -76,6 +78,25 @@ def _serve_hf(loop: BackgroundLoop, model_dir: Path, say: Say) -> Iterator[Servi
         yield Serving(running.url, config.admin_token)
     finally:
         loop.run(running.stop())
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM ends this process through its ``finally`` blocks (exit status 143), as
+    Ctrl-C does, instead of at once: the worker process runs in a session of its own and
+    would outlive a trainer that never stopped it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -180,7 +201,7 @@ def run_train(
             serving = _serve_vllm(loop, model_dir, out_dir, vllm_python, say)
         else:
             serving = _serve_hf(loop, model_dir, say)
-        with serving as served:
+        with _sigterm_exits(), serving as served:
             say(
                 f"[3/3] GRPO (TRL {_trl_version()}): {steps} steps of {prompts_per_step} prompts x "
                 f"{generations} agent episodes; reward 1 when the agent calls {REWARDED_TOOL}"

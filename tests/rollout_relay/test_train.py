@@ -74,3 +74,19 @@ def test_vllm_settings_that_cannot_run_are_refused(
     assert main(["train", "--out", str(tmp_path / "out"), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_ends_a_vllm_run_through_its_cleanup() -> None:
+    """While a run with a worker process is on, SIGTERM raises SystemExit(143) in the main
+    thread, so the run's finally blocks stop the worker (it runs in a session of its own);
+    the previous handler is back afterwards."""
+    import os
+    import signal
+
+    from rollout_relay.train import _sigterm_exits
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as caught, _sigterm_exits():
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the next line
+    assert caught.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) == before
