@@ -20,7 +20,7 @@ from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
 from proxy.exceptions import ConfigurationError, StorageError
 from proxy.logs import configure_logging
-from rollout_relay.worker_process import DEFAULT_VLLM_PYTHON
+from rollout_relay.worker_process import DEFAULT_VLLM_PYTHON, WorkerProcessError
 from worker_client.exceptions import ConnectionRefusedByProxy, EngineUnavailableError
 
 T = TypeVar("T")
@@ -902,6 +902,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("stopped")
         return 130
+    except WorkerProcessError as exc:
+        print(f"rollout-relay train: {exc}", file=sys.stderr)
+        return 1
 
 
 def _train_refusal(args: argparse.Namespace) -> str | None:

@@ -123,12 +123,16 @@ def _serve_vllm(
     finally:
         try:
             if worker is not None:
+                exited = worker.process.poll()
                 clean = worker.stop()
-                say(
-                    "the vllm worker stopped (SIGTERM; vLLM's engine core closed)"
-                    if clean
-                    else "the vllm worker did not stop on SIGTERM in time: its processes were killed"
-                )
+                if exited is not None:
+                    say(f"the vllm worker had exited (status {exited}); see its log")
+                elif clean:
+                    say("the vllm worker stopped (SIGTERM; vLLM's engine core closed)")
+                else:
+                    say(
+                        "the vllm worker did not stop on SIGTERM in time: its processes were killed"
+                    )
         finally:
             loop.run(running.stop())
 
