@@ -3,6 +3,7 @@
 python -m bench                      # every section, full size (~10 min on 2 cores)
 python -m bench --quick              # tiny sizes: proves the harness works
 python -m bench --sections latency,context --out /tmp/results.md
+python -m bench --sections vllm      # `vllm serve` beside the proxy, the real engine
 """
 
 from __future__ import annotations

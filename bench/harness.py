@@ -30,6 +30,7 @@ from bench.agents import (
     words,
 )
 from bench.processes import Proc, Processes, free_port, wait_http
+from bench.vllm import section_vllm
 
 SECTIONS = (
     "latency",
@@ -40,6 +41,7 @@ SECTIONS = (
     "memory",
     "profile",
     "replicas",
+    "vllm",
 )
 
 
@@ -92,6 +94,13 @@ class Sizes:
     # many agents, each grown to the first turn, profiled up to the second.
     history_profile_agents: int = 16
     history_profile_turns: tuple[int, int] = (250, 300)
+    # The real engine, `vllm serve` beside the proxy and a vllm worker: conversations of
+    # this many turns at each concurrency, replies of at most this many tokens.
+    vllm_concurrencies: tuple[int, ...] = (1, 8)
+    vllm_conversations: int = 8
+    vllm_turns_each: int = 8
+    vllm_max_tokens: int = 32
+    vllm_max_model_len: int = 4096
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -126,6 +135,10 @@ class Sizes:
             history_large_turns=4,
             history_profile_agents=2,
             history_profile_turns=(4, 8),
+            vllm_concurrencies=(2,),
+            vllm_conversations=2,
+            vllm_turns_each=2,
+            vllm_max_tokens=8,
         )
 
 
@@ -1054,5 +1067,12 @@ async def run(
             results["replicas"] = await section_replicas(
                 procs, model_dir, sizes, proxy_args, durable
             )
+            save(results)
+        if "vllm" in sections:
+            # Last, alone: it starts a real engine twice, one after the other.
+            print("vllm serve beside the proxy and a vllm worker", flush=True)
+            for stopped in procs.procs:
+                stopped.stop()
+            results["vllm"] = await section_vllm(sizes, proxy_args, durable, procs.log_dir)
             save(results)
     return results

@@ -382,6 +382,67 @@ def replicas_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def vllm_table(section: dict[str, Any]) -> str:
+    """`vllm serve` asked for token ids directly, beside the proxy and a vllm worker on the
+    same engine: one line per side and concurrency, the proxy's line followed by what it
+    adds; CPU per turn split into the engine core, what runs around it, and the direct
+    agent's own template and token work."""
+    if "skipped" in section:
+        return f"Not measured: {section['skipped']}."
+    lines = [
+        "| side | concurrency | turns | errors | tokens/turn | turns/s | p50 (ms) | p99 (ms) | CPU ms/turn, all serving processes | engine core | around the engine | the agent's own token work |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    by = {(r["target"], r["concurrency"]): r for r in section["rows"]}
+
+    def split(r: dict[str, Any]) -> tuple[float, float, float, float, str]:
+        cpu = dict(r["cpu_ms_per_turn"])
+        client = cpu.pop("client", 0.0)
+        engine = cpu.get("engine core", 0.0)
+        around = sum(v for k, v in cpu.items() if k != "engine core")
+        parts = " + ".join(f"{k} {v:.1f}" for k, v in cpu.items() if k != "engine core")
+        return around + engine, engine, around, client, parts
+
+    for concurrency in sorted({c for _, c in by}):
+        for side in ("direct", "proxy"):
+            r = by.get((side, concurrency))
+            if r is None:
+                continue
+            total, engine, around, client, parts = split(r)
+            name = "`vllm serve`, token ids" if side == "direct" else "proxy + `vllm` worker"
+            lines.append(
+                f"| {name} | {concurrency} | {r['turns']} | {r['errors']} | "
+                f"{r['completion_tokens'] / max(r['turns'], 1):.1f} | {r['turns_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+                f"{total:.1f} | {engine:.1f} | {around:.1f} ({parts}) | "
+                f"{client:.1f} |"
+            )
+        direct, proxy = by.get(("direct", concurrency)), by.get(("proxy", concurrency))
+        if direct is not None and proxy is not None:
+            d_total, d_engine, d_around, d_client, _ = split(direct)
+            p_total, p_engine, p_around, p_client, _ = split(proxy)
+            lines.append(
+                f"| proxy's difference | {concurrency} | | | | "
+                f"{proxy['turns_per_s'] - direct['turns_per_s']:+.1f} | "
+                f"{proxy['p50_ms'] - direct['p50_ms']:+.0f} | "
+                f"{proxy['p99_ms'] - direct['p99_ms']:+.0f} | {p_total - d_total:+.1f} | "
+                f"{p_engine - d_engine:+.1f} | {p_around - d_around:+.1f} | "
+                f"{p_client - d_client:+.1f} |"
+            )
+    starts = section.get("engine_start_s") or {}
+    notes = [
+        f"Engine: `{section.get('engine', '')}` on `{Path(section.get('model', '')).name}`",
+        *(
+            f"{'`vllm serve`' if k == 'direct' else 'proxy + worker'} ready in {v:.0f} s"
+            for k, v in starts.items()
+        ),
+    ]
+    killed = {k: v for k, v in (section.get("killed_after_stop") or {}).items() if v}
+    if killed:
+        notes.append(f"processes left after SIGTERM and killed: {killed}")
+    lines += ["", "; ".join(notes) + "."]
+    return "\n".join(lines)
+
+
 def _verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "**missed**")
 
@@ -533,4 +594,11 @@ def render(
         ]
     if results.get("replicas"):
         parts += ["## One proxy and two replicas", "", replicas_table(results["replicas"]), ""]
+    if "vllm" in results:
+        parts += [
+            "## The proxy beside `vllm serve` (the real engine)",
+            "",
+            vllm_table(results["vllm"]),
+            "",
+        ]
     return "\n".join(parts)
