@@ -1,6 +1,7 @@
-"""The Dockerfile: hadolint-clean, multi-stage, non-root, a healthcheck on /healthz, the CLI
-as entrypoint, and a default command the real CLI accepts. (No image is built here: there
-is no container engine on the test machines.)"""
+"""The Dockerfile: hadolint-clean, multi-stage (a proxy image without torch and a worker
+image with it), non-root, a healthcheck on /healthz, the CLI as entrypoint, and a default
+command the real CLI accepts. The images themselves are built and run by `make test-image`
+(tests/image)."""
 
 from __future__ import annotations
 
@@ -50,9 +51,20 @@ def instructions(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def final_stage(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    last = max(i for i, (keyword, _) in enumerate(pairs) if keyword == "FROM")
-    return pairs[last:]
+def stages(pairs: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """Each named stage's instructions, its FROM first."""
+    named: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for keyword, rest in pairs:
+        if keyword == "FROM":
+            current = []
+            named[rest.split()[-1]] = current
+        current.append((keyword, rest))
+    return named
+
+
+def stage(name: str) -> list[tuple[str, str]]:
+    return stages(instructions(DOCKERFILE.read_text()))[name]
 
 
 def lint(path: Path) -> subprocess.CompletedProcess[str]:
@@ -81,29 +93,41 @@ def test_hadolint_reports_a_bad_dockerfile(tmp_path: Path) -> None:
     assert {"DL3006", "DL3008"} <= codes
 
 
-def test_image_is_multi_stage_slim_and_non_root() -> None:
-    """A builder stage and a slim runtime stage that copies only the virtualenv, installs
-    no compilers, and runs as a numeric non-root user."""
-    pairs = instructions(DOCKERFILE.read_text())
-    stages = [rest for keyword, rest in pairs if keyword == "FROM"]
-    assert len(stages) >= 2
-    runtime = final_stage(pairs)
-    copies = [rest for keyword, rest in runtime if keyword == "COPY"]
-    assert copies
-    assert all(rest.startswith("--from=builder") for rest in copies)
-    runs = " ".join(rest for keyword, rest in runtime if keyword == "RUN")
+def test_images_are_multi_stage_slim_and_non_root() -> None:
+    """Builder stages and two runtime stages (proxy, worker) on one base; each runtime
+    copies only its builder's virtualenv, installs nothing and runs as a numeric non-root
+    user; the proxy's builder installs no engine."""
+    named = stages(instructions(DOCKERFILE.read_text()))
+    assert {"base", "proxy-builder", "proxy", "worker-builder", "worker"} <= set(named)
+    for runtime, builder in (("proxy", "proxy-builder"), ("worker", "worker-builder")):
+        pairs = named[runtime]
+        assert pairs[0][1].split()[0] == "base"
+        copies = [rest for keyword, rest in pairs if keyword == "COPY"]
+        assert copies == [f"--from={builder} /opt/venv /opt/venv"]
+        assert not [rest for keyword, rest in pairs if keyword == "RUN"]
+        (user,) = [rest for keyword, rest in pairs if keyword == "USER"]
+        uid = user.split(":")[0]
+        assert uid.isdigit()
+        assert int(uid) != 0
+    base_runs = " ".join(rest for keyword, rest in named["base"] if keyword == "RUN")
     for compiler in ("gcc", "g++", "build-essential", "apt-get install", "pip install"):
-        assert compiler not in runs
-    (user,) = [rest for keyword, rest in runtime if keyword == "USER"]
-    uid = user.split(":")[0]
-    assert uid.isdigit()
-    assert int(uid) != 0
+        assert compiler not in base_runs
+    proxy_builder = " ".join(rest for keyword, rest in named["proxy-builder"])
+    assert "torch" not in proxy_builder
+    assert "EXTRAS" not in proxy_builder
+
+
+def test_proxy_stages_come_before_the_worker_stages() -> None:
+    """The classic builder builds every stage up to its --target: no worker stage may
+    come before the proxy's, or building the proxy would install torch too."""
+    order = list(stages(instructions(DOCKERFILE.read_text())))
+    assert order.index("proxy") < order.index("worker-builder") < order.index("worker")
 
 
 def test_entrypoint_healthcheck_and_command_match_the_cli() -> None:
     """ENTRYPOINT is the CLI; CMD is a proxy command line the parser accepts, on the port
     the image exposes and the manifests use; HEALTHCHECK asks a real route."""
-    runtime = final_stage(instructions(DOCKERFILE.read_text()))
+    runtime = stage("proxy")
     keyed = {keyword: rest for keyword, rest in runtime}
     assert json.loads(keyed["ENTRYPOINT"]) == ["rollout-relay"]
     args = build_parser().parse_args(json.loads(keyed["CMD"]))
