@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := rollout_relay proxy relay worker_client sdk deploy bench
 
-.PHONY: setup check lint typecheck test test-harbor test-vllm demo train train-moe train-vllm up bench clean
+.PHONY: setup check lint typecheck test test-harbor test-vllm test-image demo train train-moe train-vllm up bench clean
 
 setup:
 	./scripts/setup.sh
@@ -44,6 +44,14 @@ test-vllm:
 		tests/worker_client/backends/test_vllm.py
 	$(VLLM_ENV) PYTHONPATH=$(VLLM_SHIM) .cache/vllm-venv/bin/pytest -q -p no:cacheprovider \
 		--durations=0 -c tests/e2e/vllm/pytest.ini --rootdir . tests/e2e/vllm
+
+# The proxy and worker images built and run as the manifests run them (tests/image): a
+# trial through the proxy's container, `docker stop`, a new container on the same volume.
+# Starts dockerd when none runs (installing docker.io and debootstrap with apt-get when
+# missing; stopped again after), builds from a local Debian base made once under
+# .cache/image; says "skipped" and exits 0 where no Docker engine can be had.
+test-image: setup
+	./scripts/test-image.sh
 
 # Installs only what the demo runs (`make test` adds the rest to the same .venv).
 demo:
