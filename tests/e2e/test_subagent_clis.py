@@ -1,0 +1,159 @@
+"""Claude Code itself (the pinned npm CLI) delegates a step to a sub-agent through its Agent
+tool, through the proxy: the sub-agent's turns are recorded as its own agent, the
+sub-agent's first turn names the main turn and the tool call that spawned it, and
+``GET /sessions/<trial>/agents`` lists both.
+
+The worker serves a scripted policy on a family's tiny model (``tests.scripted_policy``,
+as the agent-CLI tests do): the main agent calls the Agent tool once its prompt shows
+it, the sub-agent answers the prompt it was given, and the main agent reports what came
+back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from proxy.config import ProxyConfig
+from rollout_relay.embedded import RunningProxy, start_proxy
+from sdk.client import ProxyClient
+from tests.e2e.conftest import TIMEOUT_FACTOR
+from tests.e2e.test_agent_clis import BIN, ROOT
+from tests.families import FAMILIES, family_model
+from tests.scripted_policy import ScriptedEngine, Turn
+from worker_client.backends.hf import HFEngine
+from worker_client.client import ServedModel, WorkerClient
+
+pytestmark = pytest.mark.e2e
+
+FAMILY = "qwen3"
+TASK = "TASK-5d2: have a helper agent check the workspace, then report what it said."
+SUB_PROMPT = "SUBTASK-5d2: say that the workspace is ready."
+SUB_ANSWER = "Helper report: workspace-ready-5d2."
+ANSWER = "Finished: the helper said workspace-ready-5d2."
+AGENT_TOOL = "Agent"
+DEFINITIONS = {AGENT_TOOL: ("description", "prompt", "subagent_type")}
+
+
+def policy(prompt: str) -> Turn:
+    """The main agent delegates once, then reports; the sub-agent answers its prompt;
+    anything else (an agent's side requests) gets a short answer."""
+    if TASK in prompt:
+        if SUB_ANSWER in prompt:  # the sub-agent's answer came back as the tool's result
+            return Turn("", ANSWER)
+        call = {
+            "description": "Check the workspace",
+            "prompt": SUB_PROMPT,
+            "subagent_type": "general-purpose",
+        }
+        return Turn("I will ask a helper.", "", ((AGENT_TOOL, call),))
+    if SUB_PROMPT in prompt:
+        return Turn("", SUB_ANSWER)
+    return Turn("", "OK.")
+
+
+@pytest.fixture(scope="module")
+def clis() -> Path:
+    """The CLIs, installed once under .cache/npm."""
+    subprocess.run([str(ROOT / "scripts" / "agent-clis.sh")], check=True, cwd=ROOT)
+    return BIN
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[RunningProxy, ScriptedEngine]]:
+    config = ProxyConfig(
+        port=0,
+        max_tokens=4096,
+        max_body_bytes=16 * 1024 * 1024,
+        cache_dir=tmp_path_factory.mktemp("subagent-clis"),
+    )
+    running = await start_proxy(config)
+    directory = family_model(FAMILY)
+    engine = ScriptedEngine(
+        HFEngine.load(directory, name=FAMILY),
+        AutoTokenizer.from_pretrained(str(directory)),
+        policy,
+        write=FAMILIES[FAMILY].reply,
+        tools=DEFINITIONS,
+    )
+    client = WorkerClient(running.worker_url, {FAMILY: ServedModel(engine, directory)})
+    running.worker_tasks.append(asyncio.get_running_loop().create_task(client.run()))
+    await running.wait_for_workers(within_seconds=120 * TIMEOUT_FACTOR)
+    yield running, engine
+    await running.stop()
+
+
+async def test_claude_code_records_its_sub_agent_and_what_spawned_it(
+    clis: Path, stack: tuple[RunningProxy, ScriptedEngine], tmp_path: Path
+) -> None:
+    """Claude Code's sub-agent works through the trial's base URL; every turn is recorded
+    with its agent, the sub-agent's first turn names the main agent's turn and the Agent
+    call that spawned it (its id as Claude Code received it), and the agents view lists
+    the main agent and the sub-agent under it."""
+    running, engine = stack
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model=FAMILY)
+        env = {k: v for k, v in os.environ.items() if k in {"PATH", "LANG", "TMPDIR"}} | {
+            "HOME": str(tmp_path),
+            "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
+            "ANTHROPIC_API_KEY": trial.api_key,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_GATEWAY_HINT_HEADERS": "1",
+            "DISABLE_AUTOUPDATER": "1",
+        }
+        argv = [str(clis / "claude"), "-p", TASK, "--model", FAMILY, "--output-format", "json"]
+        argv += ["--allowedTools", AGENT_TOOL, "--max-turns", "6"]
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), 300 * TIMEOUT_FACTOR)
+        except TimeoutError:
+            process.kill()
+            out, err = await process.communicate()
+        assert process.returncode == 0, (out.decode()[-2000:], err.decode()[-2000:])
+        export = await proxy.trajectories(trial.trial_id)
+        agents = await proxy.agents(trial.trial_id)
+
+    assert engine.unseen == []  # the main agent's prompt showed the Agent tool
+    assert ANSWER in out.decode()
+    turns: dict[int, dict[str, Any]] = {
+        t["turn"]: t for trajectory in export["trajectories"] for t in trajectory["turns"]
+    }
+    main_turns = [t for t in turns.values() if t["agent"]["id"] == "main"]
+    sub_turns = [t for t in turns.values() if t["agent"]["kind"] == "subagent"]
+    assert main_turns
+    assert sub_turns
+    (sub_id,) = {t["agent"]["id"] for t in sub_turns}
+    assert {t["agent"]["parent"] for t in sub_turns} == {"main"}
+    first = min(sub_turns, key=lambda t: t["turn"])
+    spawned = first["spawned_by"]
+    spawner = turns[spawned["turn"]]
+    assert spawner["agent"]["id"] == "main"
+    assert spawned["tool_call_id"]
+    # Named by Claude Code's own header (x-claude-code-agent-id), not guessed from the
+    # content (a sub-agent found by its prompt would take the call's id).
+    assert sub_id != spawned["tool_call_id"]
+    assert all(t.get("spawned_by") is None for t in sub_turns if t is not first)
+    by_id = {a["id"]: a for a in agents if a["kind"] in {"main", "subagent"}}
+    assert by_id[sub_id]["parent"] == "main"
+    assert by_id[sub_id]["spawned_by"] == spawned
+    assert sorted(by_id[sub_id]["turns"]) == sorted(t["turn"] for t in sub_turns)
+    assert {a["id"] for a in agents} >= {"main", sub_id}
+    # The sub-agent's trajectory is its own: none of its turns continues a main turn.
+    for trajectory in export["trajectories"]:
+        assert len({t["agent"]["id"] for t in trajectory["turns"]}) == 1
