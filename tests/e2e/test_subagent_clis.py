@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from proxy.config import ProxyConfig
 from rollout_relay.embedded import RunningProxy, start_proxy
-from sdk.client import ProxyClient
+from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import TIMEOUT_FACTOR
 from tests.e2e.test_agent_clis import BIN, ROOT
 from tests.families import FAMILIES, family_model
@@ -42,6 +42,15 @@ AGENT_TOOL = "Agent"
 DEFINITIONS = {AGENT_TOOL: ("description", "prompt", "subagent_type")}
 
 
+TWO_TASK = "TASK-8e4: have two helper agents check the workspace at once, then report."
+TWO_PROMPTS = (
+    "SUBTASK-8e4-a: say that part a is ready.",
+    "SUBTASK-8e4-b: say that part b is ready.",
+)
+TWO_ANSWERS = ("Helper report: part-a-ready-8e4.", "Helper report: part-b-ready-8e4.")
+TWO_ANSWER = "Finished: both helpers said ready-8e4."
+
+
 def policy(prompt: str) -> Turn:
     """The main agent delegates once, then reports; the sub-agent answers its prompt;
     anything else (an agent's side requests) gets a short answer."""
@@ -56,6 +65,24 @@ def policy(prompt: str) -> Turn:
         return Turn("I will ask a helper.", "", ((AGENT_TOOL, call),))
     if SUB_PROMPT in prompt:
         return Turn("", SUB_ANSWER)
+    if TWO_TASK in prompt:
+        if all(answer in prompt for answer in TWO_ANSWERS):
+            return Turn("", TWO_ANSWER)
+        calls = tuple(
+            (
+                AGENT_TOOL,
+                {
+                    "description": f"Check part {part}",
+                    "prompt": sub_prompt,
+                    "subagent_type": "general-purpose",
+                },
+            )
+            for part, sub_prompt in zip("ab", TWO_PROMPTS, strict=True)
+        )
+        return Turn("I will ask two helpers at once.", "", calls)
+    for sub_prompt, answer in zip(TWO_PROMPTS, TWO_ANSWERS, strict=True):
+        if sub_prompt in prompt:
+            return Turn("", answer)
     return Turn("", "OK.")
 
 
@@ -92,6 +119,36 @@ async def stack(
     await running.stop()
 
 
+async def run_claude(clis: Path, trial: TrialSession, task: str, home: Path) -> str:
+    """Claude Code on ``task`` against the trial, to its end (a non-zero exit fails the
+    test): its output. Gateway hint headers on, so it says each request's class."""
+    env = {k: v for k, v in os.environ.items() if k in {"PATH", "LANG", "TMPDIR"}} | {
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
+        "ANTHROPIC_API_KEY": trial.api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_GATEWAY_HINT_HEADERS": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    argv = [str(clis / "claude"), "-p", task, "--model", FAMILY, "--output-format", "json"]
+    argv += ["--allowedTools", AGENT_TOOL, "--max-turns", "6"]
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=home,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 300 * TIMEOUT_FACTOR)
+    except TimeoutError:
+        process.kill()
+        out, err = await process.communicate()
+    assert process.returncode == 0, (out.decode()[-2000:], err.decode()[-2000:])
+    return out.decode()
+
+
 async def test_claude_code_records_its_sub_agent_and_what_spawned_it(
     clis: Path, stack: tuple[RunningProxy, ScriptedEngine], tmp_path: Path
 ) -> None:
@@ -102,35 +159,12 @@ async def test_claude_code_records_its_sub_agent_and_what_spawned_it(
     running, engine = stack
     async with ProxyClient(running.url) as proxy:
         trial = await proxy.create_session(model=FAMILY)
-        env = {k: v for k, v in os.environ.items() if k in {"PATH", "LANG", "TMPDIR"}} | {
-            "HOME": str(tmp_path),
-            "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
-            "ANTHROPIC_API_KEY": trial.api_key,
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "CLAUDE_CODE_GATEWAY_HINT_HEADERS": "1",
-            "DISABLE_AUTOUPDATER": "1",
-        }
-        argv = [str(clis / "claude"), "-p", TASK, "--model", FAMILY, "--output-format", "json"]
-        argv += ["--allowedTools", AGENT_TOOL, "--max-turns", "6"]
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            out, err = await asyncio.wait_for(process.communicate(), 300 * TIMEOUT_FACTOR)
-        except TimeoutError:
-            process.kill()
-            out, err = await process.communicate()
-        assert process.returncode == 0, (out.decode()[-2000:], err.decode()[-2000:])
+        out = await run_claude(clis, trial, TASK, tmp_path)
         export = await proxy.trajectories(trial.trial_id)
         agents = await proxy.agents(trial.trial_id)
 
     assert engine.unseen == []  # the main agent's prompt showed the Agent tool
-    assert ANSWER in out.decode()
+    assert ANSWER in out
     turns: dict[int, dict[str, Any]] = {
         t["turn"]: t for trajectory in export["trajectories"] for t in trajectory["turns"]
     }
@@ -155,5 +189,34 @@ async def test_claude_code_records_its_sub_agent_and_what_spawned_it(
     assert sorted(by_id[sub_id]["turns"]) == sorted(t["turn"] for t in sub_turns)
     assert {a["id"] for a in agents} >= {"main", sub_id}
     # The sub-agent's trajectory is its own: none of its turns continues a main turn.
+    for trajectory in export["trajectories"]:
+        assert len({t["agent"]["id"] for t in trajectory["turns"]}) == 1
+
+
+async def test_two_sub_agents_at_once_keep_their_own_chains(
+    clis: Path, stack: tuple[RunningProxy, ScriptedEngine], tmp_path: Path
+) -> None:
+    """Two Agent calls in one reply run as two sub-agents at once: each is its own agent
+    with its own turns, spawned by the same main turn through its own call, and no
+    trajectory mixes the turns of two agents."""
+    running, engine = stack
+    engine.unseen.clear()
+    async with ProxyClient(running.url) as proxy:
+        trial = await proxy.create_session(model=FAMILY)
+        out = await run_claude(clis, trial, TWO_TASK, tmp_path)
+        export = await proxy.trajectories(trial.trial_id)
+        agents = await proxy.agents(trial.trial_id)
+
+    assert engine.unseen == []
+    assert TWO_ANSWER in out
+    subs = [a for a in agents if a["kind"] == "subagent"]
+    assert len(subs) == 2
+    assert len({a["id"] for a in subs}) == 2
+    assert {a["parent"] for a in subs} == {"main"}
+    spawns = [a["spawned_by"] for a in subs]
+    assert len({s["turn"] for s in spawns}) == 1  # the same main turn made both calls
+    assert len({s["tool_call_id"] for s in spawns}) == 2
+    turns = {t["turn"]: t for tr in export["trajectories"] for t in tr["turns"]}
+    assert turns[spawns[0]["turn"]]["agent"]["id"] == "main"
     for trajectory in export["trajectories"]:
         assert len({t["agent"]["id"] for t in trajectory["turns"]}) == 1
