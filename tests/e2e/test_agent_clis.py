@@ -207,6 +207,15 @@ async def run_agent(
     non-zero exit fails the test)."""
     make = _claude if agent == "claude" else _codex
     argv, extra = make(bin_dir, trial, family, home)
+    return await run_cli(argv, extra, home, check=check)
+
+
+async def run_cli(
+    argv: list[str], extra: dict[str, str], home: Path, *, check: bool = True
+) -> tuple[int, str]:
+    """Run an agent CLI in ``home`` with ``extra`` over a bare environment, at most 300 s
+    (scaled): its exit code and its output (with ``check``, a non-zero exit fails the
+    test)."""
     keep = {"PATH", "LANG", "TMPDIR"}
     env = {k: v for k, v in os.environ.items() if k in keep} | extra
     process = await asyncio.create_subprocess_exec(

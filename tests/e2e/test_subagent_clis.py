@@ -12,7 +12,6 @@ back.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from proxy.config import ProxyConfig
 from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.client import ProxyClient, TrialSession
 from tests.e2e.conftest import TIMEOUT_FACTOR
-from tests.e2e.test_agent_clis import BIN, ROOT
+from tests.e2e.test_agent_clis import BIN, ROOT, run_cli
 from tests.families import FAMILIES, family_model
 from tests.scripted_policy import ScriptedEngine, Turn
 from worker_client.backends.hf import HFEngine
@@ -122,7 +121,7 @@ async def stack(
 async def run_claude(clis: Path, trial: TrialSession, task: str, home: Path) -> str:
     """Claude Code on ``task`` against the trial, to its end (a non-zero exit fails the
     test): its output. Gateway hint headers on, so it says each request's class."""
-    env = {k: v for k, v in os.environ.items() if k in {"PATH", "LANG", "TMPDIR"}} | {
+    env = {
         "HOME": str(home),
         "ANTHROPIC_BASE_URL": trial.anthropic_base_url,
         "ANTHROPIC_API_KEY": trial.api_key,
@@ -132,21 +131,8 @@ async def run_claude(clis: Path, trial: TrialSession, task: str, home: Path) -> 
     }
     argv = [str(clis / "claude"), "-p", task, "--model", FAMILY, "--output-format", "json"]
     argv += ["--allowedTools", AGENT_TOOL, "--max-turns", "6"]
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=home,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), 300 * TIMEOUT_FACTOR)
-    except TimeoutError:
-        process.kill()
-        out, err = await process.communicate()
-    assert process.returncode == 0, (out.decode()[-2000:], err.decode()[-2000:])
-    return out.decode()
+    _, output = await run_cli(argv, env, home)
+    return output
 
 
 async def test_claude_code_records_its_sub_agent_and_what_spawned_it(
