@@ -142,6 +142,11 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+# The ``logit_bias`` that keeps a token from being sampled: the lowest OpenAI's API, vLLM
+# and SGLang take, which leaves it a probability below e^-100 of the best token's.
+NEVER_SAMPLED_BIAS = -100.0
+
+
 def placeholder_ids(config: Any) -> tuple[int, ...]:
     """The tokens a vision-language model's processor reads as media slots (its
     ``image_token_id`` and ``video_token_id``; ``config`` a transformers config or the

@@ -84,6 +84,7 @@ import aiohttp
 from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, data_url
 from worker_client.engine import (
+    NEVER_SAMPLED_BIAS,
     FinishReason,
     ImageSpan,
     LogprobsMode,
@@ -147,10 +148,8 @@ def completion_request(
 
 
 def never_sampled_bias(ids: Sequence[int]) -> dict[str, float]:
-    """``logit_bias`` that keeps ``ids`` from being sampled: -100, the lowest OpenAI's
-    API (and vLLM's and SGLang's) takes, leaves each a probability below e^-100 of the
-    best token's."""
-    return {str(i): -100.0 for i in ids}
+    """``logit_bias`` (its keys the ids as text) that keeps ``ids`` from being sampled."""
+    return dict.fromkeys(map(str, ids), NEVER_SAMPLED_BIAS)
 
 
 def chunk_from_event(event: dict[str, Any]) -> TokenChunk | None:

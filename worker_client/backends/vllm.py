@@ -71,6 +71,7 @@ from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, decode_image
 from worker_client.backends.vllm_worker import EXTENSION
 from worker_client.engine import (
+    NEVER_SAMPLED_BIAS,
     FinishReason,
     ImageSpan,
     LogprobsMode,
@@ -137,8 +138,8 @@ def to_vllm_sampling(
     ``vllm`` is the ``vllm`` package (imported when not given). ``routed_experts_start``:
     the prompt position routing rows are wanted from (``routed_experts_prompt_start``, sent
     where this vLLM has it; an older one returns every row). ``never_sampled``: ids kept
-    from being sampled, a vision-language model's placeholders (``logit_bias`` -100, the
-    lowest vLLM takes). Raises ``EngineError`` when vLLM rejects a value (e.g. a
+    from being sampled, a vision-language model's placeholders (``logit_bias``
+    ``NEVER_SAMPLED_BIAS``). Raises ``EngineError`` when vLLM rejects a value (e.g. a
     temperature above 2).
     """
     if vllm is None:
@@ -150,7 +151,7 @@ def to_vllm_sampling(
     ):
         extra["routed_experts_prompt_start"] = routed_experts_start
     if never_sampled:
-        extra["logit_bias"] = dict.fromkeys(never_sampled, -100.0)
+        extra["logit_bias"] = dict.fromkeys(never_sampled, NEVER_SAMPLED_BIAS)
     try:
         return vllm.SamplingParams(
             n=1,
