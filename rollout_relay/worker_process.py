@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 # The side environment ``scripts/vllm-env.sh`` makes, relative to the repository root.
 DEFAULT_VLLM_PYTHON = Path(".cache/vllm-venv/bin/python")
+# How long killed processes get to be gone before stop returns.
+KILL_SETTLE_SECONDS = 10.0
 
 
 class WorkerProcessError(RuntimeError):
@@ -128,6 +130,11 @@ class WorkerProcess:
             clean = False
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
+            # SIGKILL is delivered, not yet acted on, when killpg returns: a member can
+            # still be running for a moment (longer on a busy machine).
+            deadline = time.monotonic() + KILL_SETTLE_SECONDS
+            while group_alive(group) and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.process.wait()
         return clean
 
@@ -149,6 +156,6 @@ def group_alive(group: int) -> bool:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(fields[2]) == group and fields[0] != "Z":
+        if int(fields[2]) == group and fields[0] not in ("Z", "X"):
             return True
     return False
