@@ -91,7 +91,8 @@ class WorkerHandle:
     served: int = 0
     state: WorkerState = WorkerState.SERVING
     version: int = 0  # the policy version the worker serves
-    weights_path: str | None = None  # the checkpoint it loaded last
+    # The checkpoint its version came from (None: its startup model, or stamped).
+    weights_path: str | None = None
     # Answers awaited from the worker, per (update id, phase).
     acks: dict[tuple[str, protocol.UpdatePhase], asyncio.Future[protocol.UpdateAck]] = field(
         default_factory=dict

@@ -210,9 +210,6 @@ class WeightSync:
         self._last: Outcome | None = None  # the last update that finished
         self._lock = asyncio.Lock()  # one update, or one worker's catching up, at a time
         self._background: set[asyncio.Task[None]] = set()
-        # The pool's version when an update of this proxy stamped it without a checkpoint
-        # (the trainer changed the engines itself): no checkpoint holds its weights.
-        self._stamped: int | None = None
         pool.on_behind = self._behind
 
     def __repr__(self) -> str:
@@ -244,14 +241,6 @@ class WeightSync:
             ],
         }
 
-    def _checkpoint(self) -> str | None:
-        """The checkpoint that holds the weights of the pool's version; None when none
-        does: the version was stamped without one (here, or by whoever the workers heard
-        it from), or it is the weights the workers started with."""
-        if self._stamped == self.pool.version:
-            return None
-        return self.pool.weights_path
-
     # ------------------------------------------------------------------ an update
 
     async def update(
@@ -268,7 +257,7 @@ class WeightSync:
         running = self.current
         last = self._last
         admission = admit(
-            (self.pool.version, self._checkpoint()),
+            (self.pool.version, self.pool.weights_path),
             (version, path),
             running.key if running is not None else None,
             last.key if last is not None else None,
@@ -421,21 +410,18 @@ class WeightSync:
             if isinstance(a := answers.get(h.worker_id), protocol.UpdateAck) and a.ok
         ]
         failed = _failures(answers)
-        # A stamp-only update keeps the weights, and so the checkpoint they came from.
-        path = update.path or self.pool.weights_path
         if committed or not failed:
             # Some worker serves it (or no worker was there to fail): the pool's version,
-            # unless a newer one was adopted meanwhile.
+            # unless a newer one was adopted meanwhile. Stamped, no checkpoint holds it.
             if update.version > self.pool.version:
-                self.pool.version, self.pool.weights_path = update.version, path
-                self._stamped = update.version if update.path is None else None
+                self.pool.version, self.pool.weights_path = update.version, update.path
             update.advance(UpdateState.COMMITTED)
             self.pool.stats.updates_committed += 1
         else:
             update.advance(UpdateState.COMMIT_FAILED)
         for handle in committed:
             handle.version = update.version
-            handle.weights_path = update.path or handle.weights_path
+            handle.weights_path = update.path
             if handle.version < self.pool.version:
                 handle.state = WorkerState.JOINING  # catches up once this update is done
                 self._behind(handle)
@@ -518,7 +504,7 @@ class WeightSync:
         async with self._lock:
             if self.pool.workers.get(handle.worker_id) is not handle:
                 return
-            target, path = self.pool.version, self._checkpoint()
+            target, path = self.pool.version, self.pool.weights_path
             if handle.version >= target:
                 self.pool.serve(handle)
                 return
@@ -594,7 +580,7 @@ class WeightSync:
                     failure = _reason(answer)
                     break
             else:
-                handle.version, handle.weights_path = target, path or handle.weights_path
+                handle.version, handle.weights_path = target, path
                 log.info("worker %s caught up to weights version %d", handle.worker_id, target)
                 self.pool.serve(handle)
                 return

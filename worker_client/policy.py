@@ -250,7 +250,7 @@ class WorkerPolicy:
         if not engines:
             raise ValueError("a worker policy needs at least one engine")
         self.engines = list(engines)
-        self.path = path  # the checkpoint the engines serve (None: the startup model)
+        self.path = path  # the checkpoint the engines serve (None: the startup model, or stamped)
         self.state = UpdateState.IDLE
         self.update_id: str | None = None
         self._pending: tuple[int, str | None] | None = None
@@ -332,8 +332,11 @@ class WorkerPolicy:
                     f"weights version {version} did not commit: "
                     f"{type(failure).__name__}: {failure}; serving version {self.version}"
                 ) from failure
-            # Stamped without a checkpoint: the weights, and where they came from, stay.
-            self.path = path or self.path
+            # Stamped without a checkpoint: no checkpoint is known to hold this version's
+            # weights (the trainer may have changed them in place), so none is reported:
+            # a proxy that hears of the version from this worker (restarted, or another
+            # replica) must not load the old checkpoint into a late worker under it.
+            self.path = path
         log.info("serving weights version %d (%s)", version, path or "no checkpoint")
         for listener in list(self._listeners):
             listener(version, self.path)

@@ -264,17 +264,17 @@ async def test_an_update_reaches_every_worker_in_three_phases() -> None:
     assert a.endpoint.updates == set()  # the final ack forgot the update
 
 
-async def test_a_stamp_only_update_keeps_the_checkpoint_it_came_from() -> None:
-    """Without a path the workers load nothing; the version moves, the pool's and the
-    handles' checkpoint stay the one loaded last."""
+async def test_a_stamp_only_update_names_no_checkpoint() -> None:
+    """Without a path the workers load nothing; the version moves, and neither the pool
+    nor the handles name a checkpoint for it any more (none is known to hold it)."""
     pool = WorkerPool(wait_seconds=1)
     sync = WeightSync(pool, phase_seconds=5)
     handle, link = await _add(pool, "a")
     await sync.update(1, "/ckpt/1")
     await sync.update(2)
     assert link.phases()[-3:] == ["Pause", "Load(2, None)", "Commit"]
-    assert (pool.version, pool.weights_path) == (2, "/ckpt/1")
-    assert (handle.version, handle.weights_path) == (2, "/ckpt/1")
+    assert (pool.version, pool.weights_path) == (2, None)
+    assert (handle.version, handle.weights_path) == (2, None)
 
 
 async def test_one_worker_failing_to_load_rolls_every_worker_back() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
@@ -31,6 +32,7 @@ from relay.pool import (
 from rollout_relay.embedded import RunningProxy, start_proxy
 from worker_client.backends.hf import HFEngine
 from worker_client.backends.instant import InstantEngine
+from worker_client.checkpoints import perturbed_checkpoint
 from worker_client.client import (
     TOKENIZER_FILES,
     ServedModel,
@@ -547,3 +549,61 @@ async def test_a_pause_that_outlasts_its_update_stays_quiet_and_serving(
         _, _, again = await _generate(pool, "slow", prompt, max_tokens=2)
         assert again.extra[protocol.POLICY_VERSION] == 0
         assert pool.workers.get(WorkerId("w-slow")) is handle
+
+
+async def test_a_stamped_version_stays_stamped_across_a_proxy_restart(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """After a checkpoint and then a stamp-only update, the worker tells a restarted proxy
+    that no checkpoint holds its version: the trainer's retry of the stamp answers as a
+    success (not ``version_not_newer``), and a late worker is not caught up by loading the
+    old checkpoint under the stamped number: it never serves."""
+    checkpoint = perturbed_checkpoint(tiny_model_dir, tmp_path / "step-1", seed=1)
+    stamped = HFEngine.load(tiny_model_dir, name="tiny")
+    late_engine = HFEngine.load(tiny_model_dir, name="tiny")
+    first = await start_proxy(_config(tmp_path, heartbeat=_SHORT_HEARTBEAT))
+    port = _port(first)
+    worker = WorkerClient(
+        first.worker_url,
+        {"tiny": ServedModel(stamped, tiny_model_dir)},
+        token=TOKEN,
+        worker_id="w-stamped",
+    )
+    second: RunningProxy | None = None
+    try:
+        async with _running(worker):
+            await first.wait_for_workers(1, within_seconds=30)
+            await first.app[WEIGHTS].update(1, str(checkpoint))
+            assert (await first.app[WEIGHTS].update(2))["path"] is None
+            await first.stop()
+            for _ in range(200):
+                if not worker.connected.is_set():
+                    break
+                await asyncio.sleep(0.05)
+
+            config = dataclasses.replace(_config(tmp_path, port), weights_phase_seconds=1.0)
+            second = await start_proxy(config)
+            await second.wait_for_workers(1, within_seconds=30)
+            pool = second.app[POOL]
+            assert (pool.version, pool.weights_path) == (2, None)
+            report = await second.app[WEIGHTS].update(2)  # the retry of the stamp
+            assert report["version"] == 2
+
+            late = WorkerClient(
+                second.worker_url,
+                {"tiny": ServedModel(late_engine, tiny_model_dir)},
+                token=TOKEN,
+                worker_id="w-late",
+            )
+            async with _running(late):
+                for _ in range(200):  # joins, waits a phase's time, is taken out of service
+                    if pool.stats.out_of_service:
+                        break
+                    await asyncio.sleep(0.05)
+                assert pool.stats.out_of_service == 1
+                assert late.policy.version == 0
+    finally:
+        if second is not None:
+            await second.stop()
+        await stamped.close()
+        await late_engine.close()
