@@ -365,6 +365,18 @@ class HFEngine:
         the entry keeps those positions' routing rows (they are not run again)."""
         from transformers import DynamicCache
 
+        for key, entry in list(self._caches.items()):
+            held = entry.cache.get_seq_length()
+            if held != len(entry.ids):
+                # Cropping removes positions from the end: with more positions than ids
+                # it would leave foreign keys and values in every later token's context.
+                log.error(
+                    "%s: a cached sequence holds %d positions for %d ids; dropped",
+                    self._card.name,
+                    held,
+                    len(entry.ids),
+                )
+                del self._caches[key]
         best_key, best_len = None, 0
         for key, entry in self._caches.items():
             n = _shared_prefix(entry.ids, entry.images, prompt, images)

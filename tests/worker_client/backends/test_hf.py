@@ -411,6 +411,67 @@ async def test_prefix_cache_reuse_matches_a_cold_cache(
     assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
 
 
+async def test_a_request_cancelled_mid_step_leaves_a_cache_the_next_turn_can_trust(
+    make_engine: Any, prompt: list[int], tokenizer: Any
+) -> None:
+    """A caller cancelled while a token runs on the engine's thread (a client hanging up)
+    leaves a cache entry that still holds exactly what it says: the next turn, reusing it,
+    samples what a cold engine samples, logprobs within 1e-5."""
+    warm = make_engine(cache_entries=4)
+    cold = make_engine(cache_entries=0)
+    chunks = warm.generate("cut", prompt, SamplingParams(max_tokens=64, seed=3))
+    received: list[int] = []
+    five = asyncio.Event()
+
+    async def consume() -> None:
+        async for chunk in chunks:
+            received.extend(chunk.token_ids)
+            if len(received) >= 5:
+                five.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(five.wait(), 30)
+    task.cancel()  # most likely while the next token runs on the engine's thread
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await chunks.aclose()
+    more = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    second = [*prompt, *received, *more]
+    sampling = SamplingParams(max_tokens=12, seed=4)
+    warm_out = _flat(await _chunks(warm, second, sampling))
+    cold_out = _flat(await _chunks(cold, second, sampling))
+    assert warm_out[0] == cold_out[0]
+    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
+
+
+async def test_a_cache_entry_that_disagrees_with_its_ids_is_never_reused(
+    make_engine: Any, prompt: list[int], tokenizer: Any
+) -> None:
+    """An entry whose KV cache holds more positions than the ids it records (which no
+    path should leave) is dropped, not reused: reused, its extra position would sit in
+    every later token's context, and the logprobs would be a little off."""
+    warm = make_engine(cache_entries=4)
+    cold = make_engine(cache_entries=0)
+    first, _ = _flat(await _chunks(warm, prompt, SamplingParams(max_tokens=8, seed=3)))
+    (entry,) = warm._caches.values()
+    entry.ids.pop()  # the cache keeps the last position's keys and values
+    more = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    second = [*prompt, *first, *more]
+    sampling = SamplingParams(max_tokens=12, seed=4)
+    with _forward_lengths(warm.model) as lengths:
+        warm_out = _flat(await _chunks(warm, second, sampling))
+    assert lengths[0] == len(second)  # prefilled from nothing
+    cold_out = _flat(await _chunks(cold, second, sampling))
+    assert warm_out[0] == cold_out[0]
+    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
+
+
 async def test_chunked_prefill_matches_single_pass(
     make_engine: Any, tokenizer: Any, prompt: list[int]
 ) -> None:
