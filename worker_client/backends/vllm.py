@@ -538,6 +538,15 @@ class VLLMEngine(StagedPath):
         if not self._closed:
             self._closed = True
             self._llm.shutdown()
+            # vLLM's AsyncLLM.__del__ shuts it down once more, and where the object lives
+            # until the interpreter exits its module globals are gone by then: every
+            # process printed a TypeError traceback at exit. Shut down, that second call
+            # has nothing left to do.
+            self._llm.shutdown = _already_shut_down
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """What an engine's shutdown does once it was shut down."""
 
 
 def engine_arguments(pairs: Sequence[str]) -> dict[str, Any]:

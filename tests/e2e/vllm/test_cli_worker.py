@@ -32,7 +32,8 @@ HI = [{"role": "user", "content": "Hi there, which tools can you use?"}]
 @pytest.fixture(scope="module")
 async def moe_worker(
     moe_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[RunningProxy, asyncio.subprocess.Process]]:
+) -> AsyncIterator[tuple[RunningProxy, asyncio.subprocess.Process, Path]]:
+    """The proxy, the worker process, and the file its stderr goes to."""
     config = ProxyConfig(
         port=0,
         worker_wait_seconds=30 * TIMEOUT_FACTOR,
@@ -46,14 +47,16 @@ async def moe_worker(
         *("--backend", "vllm", "--enforce-eager", "--max-model-len", "2048"),
         *("--engine-arg", "max_num_seqs=4"),
     ]
-    process = await asyncio.create_subprocess_exec(*command)
+    stderr = tmp_path_factory.mktemp("vllm-moe-worker") / "stderr.log"
+    with stderr.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(*command, stderr=sink)
     try:
         deadline = asyncio.get_running_loop().time() + 300 * TIMEOUT_FACTOR
         while not running.app[POOL].workers:
             assert process.returncode is None, "the worker process exited"
             assert asyncio.get_running_loop().time() < deadline, "the worker did not join"
             await asyncio.sleep(0.2)
-        yield running, process
+        yield running, process, stderr
     finally:
         if process.returncode is None:
             process.kill()
@@ -62,7 +65,7 @@ async def moe_worker(
 
 
 @pytest.fixture
-async def proxy(moe_worker: tuple[RunningProxy, Any]) -> AsyncIterator[ProxyClient]:
+async def proxy(moe_worker: tuple[RunningProxy, Any, Path]) -> AsyncIterator[ProxyClient]:
     async with ProxyClient(moe_worker[0].url) as client:
         yield client
 
@@ -110,14 +113,17 @@ async def test_routing_is_refused_naming_why(proxy: ProxyClient) -> None:
 
 
 async def test_sigterm_leaves_no_process_of_the_worker(
-    moe_worker: tuple[RunningProxy, asyncio.subprocess.Process],
+    moe_worker: tuple[RunningProxy, asyncio.subprocess.Process, Path],
 ) -> None:
-    """SIGTERM closes the engine: the worker exits, and none of the processes it started
-    (vLLM's engine core and its worker) is left."""
-    _, process = moe_worker
+    """SIGTERM closes the engine: the worker exits, none of the processes it started
+    (vLLM's engine core and its worker) is left, and it prints no traceback on its way
+    out (vLLM's engine shut down twice printed one at every exit)."""
+    _, process, stderr = moe_worker
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "vLLM's engine core runs in a process of its own"
     process.send_signal(signal.SIGTERM)
     await asyncio.wait_for(process.wait(), 60 * TIMEOUT_FACTOR)
     _, alive = psutil.wait_procs(children, timeout=10 * TIMEOUT_FACTOR)
     assert alive == []
+    printed = stderr.read_text(errors="replace")
+    assert "Traceback" not in printed, printed[-3000:]
