@@ -366,7 +366,10 @@ class HFEngine:
         from transformers import DynamicCache
 
         for key, entry in list(self._caches.items()):
-            held = entry.cache.get_seq_length()
+            try:
+                held = entry.cache.get_seq_length()
+            except ValueError:  # linear-attention layers only: no length is kept
+                continue
             if held != len(entry.ids):
                 # Cropping removes positions from the end: with more positions than ids
                 # it would leave foreign keys and values in every later token's context.
