@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -448,6 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention heads this wide (vLLM's CPU attention takes 32 and up; the tiny "
         "models' are 16): the MoE and VLM drawn anew with them; the text model is the "
         "shipped one with its heads widened, computing the same function",
+    )
+    t.add_argument(
+        "--shipped",
+        action="store_true",
+        help="copy the model the project ships (the text model, or with --moe or --vlm that "
+        "one) instead of writing one: seconds, where training a text model or MoE takes "
+        "minutes",
     )
 
     u = sub.add_parser("up", help="proxy + in-process hf worker on the tiny model")
@@ -926,6 +934,40 @@ def _train_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _copy_shipped_model(args: argparse.Namespace) -> int:
+    """``tiny-model --shipped``: the shipped text, MoE or VLM model copied to the output
+    folder (replacing none: an existing folder is refused)."""
+    from worker_client.tiny_model import SHIPPED_TINY_MODEL
+    from worker_client.tiny_moe import SHIPPED_TINY_MOE
+    from worker_client.tiny_vlm import SHIPPED_TINY_VLM
+
+    given = [
+        flag
+        for flag, set_ in (
+            ("--seed", args.seed != 0),
+            ("--no-imprint", args.no_imprint),
+            ("--family", args.family is not None),
+            ("--head-dim", args.head_dim is not None),
+            ("--moe and --vlm", args.moe and args.vlm),
+        )
+        if set_
+    ]
+    if given:
+        print(
+            f"rollout-relay tiny-model: --shipped copies a shipped model as it is; it takes "
+            f"no {', '.join(given)}",
+            file=sys.stderr,
+        )
+        return 2
+    source = SHIPPED_TINY_MOE if args.moe else SHIPPED_TINY_VLM if args.vlm else SHIPPED_TINY_MODEL
+    if args.out_dir.exists() and any(args.out_dir.iterdir()):
+        print(f"rollout-relay tiny-model: {args.out_dir} exists and is not empty", file=sys.stderr)
+        return 2
+    shutil.copytree(source, args.out_dir, dirs_exist_ok=True)
+    print(f"copied the shipped tiny model {source.name} to {args.out_dir}")
+    return 0
+
+
 def ensure_vllm_tiny_model(say: Callable[[str], None] = print) -> Path:
     """The shipped tiny model with heads 32 wide, the narrowest vLLM's CPU attention
     takes (the same function), written once next to ``DEFAULT_TINY_MODEL``."""
@@ -1012,6 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
             from worker_client.tiny_model import write_tiny_model
 
             heads = {} if args.head_dim is None else {"head_dim": args.head_dim}
+            if args.shipped:
+                return _copy_shipped_model(args)
             if args.moe:
                 from worker_client.tiny_moe import write_tiny_moe
 

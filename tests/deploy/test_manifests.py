@@ -411,7 +411,7 @@ def test_dev_runs_without_a_gpu_and_prod_asks_for_one(overlay: str) -> None:
     if overlay == "overlays/dev":
         assert "nvidia.com/gpu" not in resources["limits"]
         assert "--backend=hf" in args
-        assert worker["initContainers"][0]["args"][0] == "tiny-model"
+        assert worker["initContainers"][0]["args"][:2] == ["tiny-model", "--shipped"]
     else:
         assert resources["limits"]["nvidia.com/gpu"] == "1"
         assert "--backend=vllm" in args

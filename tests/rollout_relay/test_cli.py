@@ -13,6 +13,9 @@ from proxy.coalesce import CoalesceMode
 from proxy.config import ProxyConfig
 from rollout_relay.cli import _freeze_alive, _secured_config, build_parser, main
 from tests.families import FIXTURES
+from worker_client.tiny_model import SHIPPED_TINY_MODEL
+from worker_client.tiny_moe import SHIPPED_TINY_MOE
+from worker_client.tiny_vlm import SHIPPED_TINY_VLM
 
 
 @pytest.fixture(autouse=True)
@@ -153,6 +156,42 @@ def test_tiny_model_for_a_family_and_a_bad_family_folder(
     assert tokenizer.convert_tokens_to_ids("<|tool_call_begin|>") is not None
     assert main(["tiny-model", str(tmp_path / "x"), "--family", str(tmp_path)]) == 2
     assert "no readable family.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "shipped"),
+    [(None, SHIPPED_TINY_MODEL), ("--moe", SHIPPED_TINY_MOE), ("--vlm", SHIPPED_TINY_VLM)],
+)
+def test_tiny_model_shipped_copies_the_shipped_model(
+    tmp_path: Path, flag: str | None, shipped: Path
+) -> None:
+    """``tiny-model --shipped`` (the dev overlay's init container) copies the shipped model
+    byte for byte, in seconds, instead of training one."""
+    out = tmp_path / "models" / "current"
+    assert main(["tiny-model", "--shipped", *([flag] if flag else []), str(out)]) == 0
+    files = sorted(f.name for f in shipped.iterdir() if f.is_file())
+    assert sorted(f.name for f in out.iterdir()) == files
+    for name in files:
+        assert (out / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    "extra", [["--seed", "3"], ["--no-imprint"], ["--head-dim", "32"], ["--moe", "--vlm"]]
+)
+def test_tiny_model_shipped_refuses_what_would_change_it(
+    tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag that asks for other weights than the shipped ones is refused, naming it, and
+    so is an output folder that holds something; nothing is written."""
+    out = tmp_path / "out"
+    assert main(["tiny-model", "--shipped", *extra, str(out)]) == 2
+    assert extra[0] in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert main(["tiny-model", "--shipped", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [f.name for f in out.iterdir()] == ["mine.txt"]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "four"])
