@@ -11,6 +11,7 @@ them every test here is skipped. The containers use the host's network on loopba
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -175,6 +176,7 @@ class Stack:
     proxy: str = ""
     worker: str = ""
     names: list[str] = field(default_factory=list)
+    volumes: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -212,11 +214,57 @@ class Stack:
         self.proxy = name
         return name
 
+    def fill_models(self) -> str:
+        """The dev overlay's init container, run as the manifests run it, into a volume
+        the worker then mounts (the pod's ``models`` emptyDir, shared by both containers;
+        handed to the pod's group as the kubelet does for ``fsGroup``); returns the
+        volume."""
+        pod = self.worker_pod
+        (init,) = pod.spec["initContainers"]
+        group = pod.spec["securityContext"]["fsGroup"]
+        volume = f"relay-test-models-{secrets.token_hex(4)}"
+        docker("volume", "create", volume)
+        self.volumes.append(volume)
+        docker(
+            *("run", "--rm", "--network", "none", "--user", "0", "--entrypoint", "sh"),
+            *("--mount", f"type=volume,source={volume},target=/v", WORKER_IMAGE),
+            *("-c", f"chgrp {group} /v && chmod 2775 /v"),
+        )
+        (mount,) = [m for m in init["volumeMounts"] if m["name"] == "models"]
+        command, *rest = init["command"]
+        own = {e["name"]: e["value"] for e in init.get("env", []) if "value" in e}
+        init_pod = Pod(pod.spec, init, {**pod.env, **own})
+        docker(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            *init_pod.security_flags(),
+            *init_pod.env_flags(),
+            "--mount",
+            f"type=volume,source={volume},target={mount['mountPath']}",
+            "--entrypoint",
+            command,
+            WORKER_IMAGE,
+            *rest,
+            *init["args"],
+            timeout=120,
+        )
+        written = docker(
+            *("run", "--rm", "--network", "none", "--entrypoint", "sha256sum"),
+            *("--mount", f"type=volume,source={volume},target=/m,readonly", WORKER_IMAGE),
+            "/m/current/model.safetensors",
+        )
+        shipped = (SHIPPED_TINY_MODEL / "model.safetensors").read_bytes()
+        assert written.split()[0] == hashlib.sha256(shipped).hexdigest()
+        return volume
+
     def start_worker(self) -> str:
         pod = self.worker_pod
         name = f"relay-test-worker-{secrets.token_hex(4)}"
         self.names.append(name)
         (models,) = [m for m in pod.container["volumeMounts"] if m["name"] == "models"]
+        filled = self.fill_models()
         docker(
             "run",
             "--detach",
@@ -225,9 +273,9 @@ class Stack:
             "--network",
             "host",
             *pod.security_flags(),
-            # What the dev overlay's init container writes there: the tiny model.
+            # What the dev overlay's init container wrote there: the tiny model.
             "--mount",
-            f"type=bind,source={SHIPPED_TINY_MODEL},target={models['mountPath']}/current,readonly",
+            f"type=volume,source={filled},target={models['mountPath']},readonly",
             *pod.empty_dirs(skip={"models", "shm"}),
             *pod.env_flags(),
             WORKER_IMAGE,
@@ -273,7 +321,8 @@ def stack() -> Iterator[Stack]:
     finally:
         for name in running.names:
             docker("rm", "--force", name, check=False)
-        docker("volume", "rm", "--force", volume, check=False)
+        for name in (volume, *running.volumes):
+            docker("volume", "rm", "--force", name, check=False)
 
 
 @pytest.fixture(scope="module")
