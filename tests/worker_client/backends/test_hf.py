@@ -89,6 +89,26 @@ def _max_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+def _user_turn(tokenizer: Any, text: str) -> list[int]:
+    """The ids that close a reply and ask ``text`` next (ChatML, as the template renders)."""
+    ids: list[int] = tokenizer.encode(
+        f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    return ids
+
+
+async def _as_cold(
+    warm: HFEngine, cold: HFEngine, ids: Sequence[int], sampling: SamplingParams
+) -> None:
+    """``warm`` (whatever its cache holds) samples what ``cold`` samples from ``ids``, the
+    logprobs within 1e-5."""
+    warm_out = _flat(await _chunks(warm, ids, sampling))
+    cold_out = _flat(await _chunks(cold, ids, sampling))
+    assert warm_out[0] == cold_out[0]
+    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
+
+
 @contextmanager
 def _forward_lengths(model: Any) -> Iterator[list[int]]:
     """Record the number of input tokens of every forward pass of the real model."""
@@ -378,11 +398,7 @@ async def test_prefix_cache_reuse_matches_a_cold_cache(
     warm = make_engine(cache_entries=4)
     cold = make_engine(cache_entries=0)
     first, _ = _flat(await _chunks(warm, prompt, SamplingParams(max_tokens=12, seed=3)))
-    more = tokenizer.encode(
-        "<|im_end|>\n<|im_start|>user\nThanks. Now read README.md.<|im_end|>\n"
-        "<|im_start|>assistant\n",
-        add_special_tokens=False,
-    )
+    more = _user_turn(tokenizer, "Thanks. Now read README.md.")
     second = [*prompt, *first, *more]
     sampling = SamplingParams(max_tokens=12, seed=4)
 
@@ -405,10 +421,7 @@ async def test_prefix_cache_reuse_matches_a_cold_cache(
     assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
 
     # Back to the longer prompt: the (cropped) cache is extended again.
-    warm_out = _flat(await _chunks(warm, second, sampling))
-    cold_out = _flat(await _chunks(cold, second, sampling))
-    assert warm_out[0] == cold_out[0]
-    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
+    await _as_cold(warm, cold, second, sampling)
 
 
 async def test_a_request_cancelled_mid_step_leaves_a_cache_the_next_turn_can_trust(
@@ -435,16 +448,8 @@ async def test_a_request_cancelled_mid_step_leaves_a_cache_the_next_turn_can_tru
     with pytest.raises(asyncio.CancelledError):
         await task
     await chunks.aclose()
-    more = tokenizer.encode(
-        "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
-        add_special_tokens=False,
-    )
-    second = [*prompt, *received, *more]
-    sampling = SamplingParams(max_tokens=12, seed=4)
-    warm_out = _flat(await _chunks(warm, second, sampling))
-    cold_out = _flat(await _chunks(cold, second, sampling))
-    assert warm_out[0] == cold_out[0]
-    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
+    second = [*prompt, *received, *_user_turn(tokenizer, "Go on.")]
+    await _as_cold(warm, cold, second, SamplingParams(max_tokens=12, seed=4))
 
 
 async def test_a_cache_entry_that_disagrees_with_its_ids_is_never_reused(
@@ -458,18 +463,10 @@ async def test_a_cache_entry_that_disagrees_with_its_ids_is_never_reused(
     first, _ = _flat(await _chunks(warm, prompt, SamplingParams(max_tokens=8, seed=3)))
     (entry,) = warm._caches.values()
     entry.ids.pop()  # the cache keeps the last position's keys and values
-    more = tokenizer.encode(
-        "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
-        add_special_tokens=False,
-    )
-    second = [*prompt, *first, *more]
-    sampling = SamplingParams(max_tokens=12, seed=4)
+    second = [*prompt, *first, *_user_turn(tokenizer, "Go on.")]
     with _forward_lengths(warm.model) as lengths:
-        warm_out = _flat(await _chunks(warm, second, sampling))
+        await _as_cold(warm, cold, second, SamplingParams(max_tokens=12, seed=4))
     assert lengths[0] == len(second)  # prefilled from nothing
-    cold_out = _flat(await _chunks(cold, second, sampling))
-    assert warm_out[0] == cold_out[0]
-    assert _max_diff(warm_out[1], cold_out[1]) < 1e-5
 
 
 async def test_chunked_prefill_matches_single_pass(
