@@ -570,12 +570,14 @@ async def test_a_stamped_version_stays_stamped_across_a_proxy_restart(
         worker_id="w-stamped",
     )
     second: RunningProxy | None = None
+    stopped = False
     try:
         async with _running(worker):
             await first.wait_for_workers(1, within_seconds=30)
             await first.app[WEIGHTS].update(1, str(checkpoint))
             assert (await first.app[WEIGHTS].update(2))["path"] is None
             await first.stop()
+            stopped = True
             for _ in range(200):
                 if not worker.connected.is_set():
                     break
@@ -603,6 +605,8 @@ async def test_a_stamped_version_stays_stamped_across_a_proxy_restart(
                 assert pool.stats.out_of_service == 1
                 assert late.policy.version == 0
     finally:
+        if not stopped:
+            await first.stop()
         if second is not None:
             await second.stop()
         await stamped.close()
