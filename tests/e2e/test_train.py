@@ -91,7 +91,7 @@ def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_threa
     from worker_client.tiny_moe import SHIPPED_TINY_MOE
 
     settings = TrainSettings(
-        steps=2, prompts_per_step=2, generations=4, learning_rate=5e-3, routed_experts=True
+        steps=2, prompts_per_step=4, generations=8, learning_rate=5e-3, routed_experts=True
     )
     report = _train(SHIPPED_TINY_MOE, tmp_path, settings)
     assert report.on_policy
@@ -101,4 +101,7 @@ def test_the_tiny_moe_trains_with_routing_replay(tmp_path: Path, one_torch_threa
         assert figures.gap_r3 <= GAP_LIMIT  # a number: NaN would fail this
     for batch in report.batches:
         assert all(sample.routed_experts is not None for sample in batch.samples)
-    assert {r for batch in report.batches for r in batch.rewards} == {0.0, 1.0}
+    # The shipped MoE's own episodes (step 0; the report keeps only the last step's batch,
+    # sampled after an update this large learning rate may have spoiled): ~20% call the
+    # tool, so 32 episodes all alike would take odds below one in a thousand.
+    assert 0.0 < report.steps[0].mean_reward < 1.0, report.steps[0]
