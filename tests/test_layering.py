@@ -11,6 +11,7 @@ run time cannot be read here."""
 from __future__ import annotations
 
 import ast
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def _written_name(arg: ast.expr) -> str | None:
 def packages(root: Path) -> set[str]:
     """The top-level folders under ``root`` that Python can import from: those holding a
     ``.py`` file at any depth, with or without ``__init__.py`` (a folder without one is a
-    namespace package all the same); hidden folders and the tests aside."""
+    namespace package all the same); hidden folders, the tests and what git ignores (a
+    ``build/`` that ``pip wheel .`` leaves) aside."""
     return {
         path.name
         for path in root.iterdir()
@@ -93,7 +95,22 @@ def packages(root: Path) -> set[str]:
         and not path.name.startswith(".")
         and path.name != "tests"
         and next(path.rglob("*.py"), None) is not None
+        and not _ignored(root, path)
     }
+
+
+def _ignored(root: Path, path: Path) -> bool:
+    """Whether git ignores ``path`` (False where ``root`` is no git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "check-ignore", "-q", path.name],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except FileNotFoundError:  # no git here
+        return False
+    return done.returncode == 0
 
 
 def violations(root: Path, rules: dict[str, frozenset[str]]) -> list[str]:
