@@ -247,6 +247,15 @@ async def _first_tokens(call: RelayCall, count: int) -> None:
                 return
 
 
+async def _until_disconnected(client: WorkerClient) -> None:
+    """Until the client noticed its proxy went away (10 s at most)."""
+    for _ in range(200):
+        if not client.connected.is_set():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the worker client did not notice its proxy was gone")
+
+
 def _port(running: RunningProxy) -> int:
     return int(running.url.rsplit(":", 1)[1])
 
@@ -331,11 +340,7 @@ async def test_reconnects_to_a_restarted_proxy_on_the_same_port(
         async with _running(client) as task:
             await first.wait_for_workers(1, within_seconds=30)
             await first.stop()
-            for _ in range(200):  # the client notices the drop
-                if not client.connected.is_set():
-                    break
-                await asyncio.sleep(0.05)
-            assert not client.connected.is_set()
+            await _until_disconnected(client)
             assert not task.done()
 
             second = await start_proxy(_config(tmp_path, port))
@@ -578,10 +583,7 @@ async def test_a_stamped_version_stays_stamped_across_a_proxy_restart(
             assert (await first.app[WEIGHTS].update(2))["path"] is None
             await first.stop()
             stopped = True
-            for _ in range(200):
-                if not worker.connected.is_set():
-                    break
-                await asyncio.sleep(0.05)
+            await _until_disconnected(worker)
 
             config = dataclasses.replace(_config(tmp_path, port), weights_phase_seconds=1.0)
             second = await start_proxy(config)
