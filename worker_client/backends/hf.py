@@ -359,10 +359,10 @@ class HFEngine:
         images: tuple[ImageKey, ...],
         routing_from: int | None = None,
     ) -> _CacheEntry:
-        """The cached entry sharing the longest prefix with ``prompt`` (its images the
-        same, none cut), cropped to it (at least one prompt token is always left to run),
-        or a fresh cache. With ``routing_from``: reused past that position only as far as
-        the entry keeps those positions' routing rows (they are not run again)."""
+        """The cached entry that spares ``prompt`` the most tokens (``_reusable``: the
+        shared prefix, its images the same and none cut, at least one prompt token left
+        to run, routing rows kept from ``routing_from``), cropped to them, or a fresh
+        cache."""
         from transformers import DynamicCache
 
         for key, entry in list(self._caches.items()):
@@ -382,18 +382,10 @@ class HFEngine:
                 del self._caches[key]
         best_key, best_len = None, 0
         for key, entry in self._caches.items():
-            n = _shared_prefix(entry.ids, entry.images, prompt, images)
+            n = _reusable(entry, prompt, images, routing_from)
             if n > best_len:
                 best_key, best_len = key, n
-        best_len = min(best_len, len(prompt) - 1)
-        if best_key is not None and routing_from is not None and routing_from < best_len:
-            kept = self._caches[best_key]
-            if kept.routing_from <= routing_from < kept.routing_end:
-                best_len = min(best_len, kept.routing_end)
-            else:
-                best_len = routing_from
-        best_len = _uncut(best_len, images)
-        if best_key is None or best_len <= 0:
+        if best_key is None:
             return _CacheEntry([], DynamicCache(config=self.model.config), None)
         entry = self._caches.pop(best_key)
         if best_len < len(entry.ids):
@@ -696,6 +688,42 @@ def _auto_class(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+
+
+def _reusable(
+    entry: _CacheEntry,
+    prompt: Sequence[int],
+    images: tuple[ImageKey, ...],
+    routing_from: int | None,
+) -> int:
+    """How many leading tokens of ``prompt`` can be taken from ``entry`` instead of run:
+    the shared prefix, leaving at least one prompt token to run and no image cut; with
+    ``routing_from``, past that position only as far as the entry keeps those positions'
+    routing rows. 0 where that means cutting a cache that cannot be cut back."""
+    n = min(_shared_prefix(entry.ids, entry.images, prompt, images), len(prompt) - 1)
+    if routing_from is not None and routing_from < n:
+        if entry.routing_from <= routing_from < entry.routing_end:
+            n = min(n, entry.routing_end)
+        else:
+            n = routing_from
+    n = _uncut(n, images)
+    if n < len(entry.ids) and not _can_cut(entry.cache):
+        return 0
+    return n
+
+
+def _can_cut(cache: Any) -> bool:
+    """Whether ``cache`` can be cut back to an earlier position as if the tokens after it
+    had never run: not where a layer keeps a running state (linear attention), nor a
+    sliding-window layer that reached its window (it no longer holds the positions
+    before the window, which a shorter sequence attends to)."""
+    if not getattr(cache, "is_croppable", True):
+        return False
+    return all(
+        layer.get_seq_length() < layer.sliding_window
+        for layer in cache.layers
+        if getattr(layer, "is_sliding", False)
+    )
 
 
 def _shared_prefix(

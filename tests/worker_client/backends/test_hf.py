@@ -469,6 +469,46 @@ async def test_a_cache_entry_that_disagrees_with_its_ids_is_never_reused(
     assert lengths[0] == len(second)  # prefilled from nothing
 
 
+async def test_a_sliding_window_model_branches_past_its_window() -> None:
+    """Sliding-window layers (Gemma 3's, gpt-oss's) keep only their window of the past once
+    a sequence outgrows it. A prompt continuing a cached sequence still runs only its new
+    tokens; one that branches inside it, where that cache can no longer be cut back to,
+    runs from the start instead of failing; both sample what a cold engine samples."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()  # type: ignore[no-untyped-call]
+    settings: dict[str, Any] = {"name": "window", "max_model_len": 4096, "eos_token_ids": ()}
+    warm = HFEngine(model, cache_entries=4, **settings)
+    cold = HFEngine(model, cache_entries=0, **settings)
+    try:
+        prompt = list(range(3, 43))  # 40 tokens: past the window of 16
+        sampling = SamplingParams(max_tokens=8, seed=3)
+        first, _ = _flat(await _chunks(warm, prompt, sampling))
+        second = [*prompt, *first, 7, 8, 9]
+        with _forward_lengths(model) as lengths:
+            await _as_cold(warm, cold, second, sampling)
+        assert lengths[0] == 4  # the last sampled token and the three new ones
+        branch = [*prompt[:-3], 5, 6]
+        with _forward_lengths(model) as lengths:
+            await _as_cold(warm, cold, branch, sampling)
+        assert lengths[0] == len(branch)  # prefilled from nothing
+    finally:
+        await warm.close()
+        await cold.close()
+
+
 async def test_chunked_prefill_matches_single_pass(
     make_engine: Any, tokenizer: Any, prompt: list[int]
 ) -> None:
