@@ -6,12 +6,21 @@ Framework-neutral: training-framework adapters (``sdk.verl``) wrap it. One call 
 1. register a fresh trial on the proxy (``ProxyClient.create_session``);
 2. submit the agent run to the task server with the trial's base URL and API key;
 3. wait for it, at most ``timeout_seconds`` (then the run is cancelled);
-4. on success: complete the session with the run's reward, fetch the trajectories, build
-   samples with the configured branch policy and length limits;
+4. on a run the policy ended (it succeeded, timed out or its agent failed): complete the
+   session with the run's reward and outcome, fetch the trajectories, build samples with
+   the configured branch policy and length limits;
 5. delete the session, whatever happened.
 
-A failed, cancelled or timed-out run is retried (at most ``max_attempts`` in all), each time
-on a NEW trial: turns sampled during a failed attempt are deleted with its session and never
+A run's end is typed (``run_outcome``) as the trial's outcome. A run that timed out or whose
+agent failed by itself is the policy's outcome: its trial is completed as ``timeout`` or
+``agent_error`` (``budget_exhausted`` where the trial's budget was spent) with the reward the
+verifier gave what the agent left, else ``failure_reward``, and its samples train. Without
+either it is retried (a missing reward is never a zero), or with ``retry_without_reward``
+off kept unrewarded. A run the infrastructure ended
+(the set-up, the sandbox, the model API, the verifier, a cancel, a failure the task server
+does not explain) is retried, never graded.
+
+A run retried is retried at most ``max_attempts`` times in all, each time on a NEW trial: turns sampled during a failed attempt are deleted with its session and never
 leak into the samples of the next one. A network fault on the way counts the same: the
 proxy or a task server refusing the connection, dropping it, timing out or answering with
 something that is not its API (a load balancer's HTML error page). Before each retry the
@@ -68,7 +77,7 @@ from sdk.samples import (
     build_samples,
     newest_version,
 )
-from sdk.taskserver.base import RunHandle, RunResult, RunSpec, RunStatus, TaskServer
+from sdk.taskserver.base import Fault, RunHandle, RunResult, RunSpec, RunStatus, TaskServer
 
 
 class AttemptState(enum.Enum):
@@ -87,6 +96,20 @@ _ORDER = list(AttemptState)
 # What an attempt may meet that is a failure of that attempt, not of the program: the SDK's
 # own errors and, from a task server implemented elsewhere, the network's.
 _ATTEMPT_FAULTS = (SdkError, aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+def run_outcome(result: RunResult) -> str:
+    """The trial outcome a finished run gives its episode: ``completed``; ``timeout`` (the
+    agent, or the tests on what it left, ran out of time); ``agent_error`` (the agent failed
+    by itself); else ``infra_error`` (a cancelled run, or a failure the task server lays on
+    the infrastructure or does not explain)."""
+    if result.status is RunStatus.SUCCEEDED:
+        return "completed"
+    if result.status is RunStatus.TIMED_OUT:
+        return "timeout"
+    if result.status is RunStatus.FAILED and result.fault is Fault.AGENT:
+        return "agent_error"
+    return "infra_error"
 
 
 def retry_delay(failed: int, base: float, cap: float, jitter: float) -> float:
@@ -167,6 +190,7 @@ class Attempt:
     run: RunHandle | None = None
     result: RunResult | None = None
     error: str | None = None
+    outcome: str | None = None  # how its run ended, as a trial outcome (``run_outcome``)
     started_at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
 
@@ -192,6 +216,9 @@ class RolloutResult:
     timings: dict[str, float]  # seconds: "agent_run", "collect", "total"
     # The policy version staleness was measured against (None: no limit applied).
     current_version: int | None = None
+    # How the episode ended (the trial's outcome): ``completed``, ``timeout``,
+    # ``agent_error`` or ``budget_exhausted``.
+    outcome: str = "completed"
 
     @property
     def policy_versions(self) -> list[int]:
@@ -245,6 +272,7 @@ class RemoteAgentLoop:
                 samples, rewards, reward, timings, version = outcome
                 timings["total"] = time.monotonic() - started
                 assert attempt.trial_id is not None
+                assert attempt.outcome is not None
                 return RolloutResult(
                     task_path,
                     attempt.trial_id,
@@ -254,6 +282,7 @@ class RemoteAgentLoop:
                     attempts,
                     timings,
                     version,
+                    attempt.outcome,
                 )
         raise RemoteAgentLoopError(
             f"{task_path}: all {len(attempts)} attempts failed: "
@@ -299,16 +328,32 @@ class RemoteAgentLoop:
             attempt.result = result
             attempt.advance(AttemptState.FINISHED)
             agent_seconds = time.monotonic() - run_started
-            if result.status is not RunStatus.SUCCEEDED:
-                attempt.error = f"run {result.status.value}: {result.error or 'no detail'}"
+            ended = run_outcome(result)
+            attempt.outcome = ended
+            rewards = dict(result.rewards)
+            why = f"run {result.status.value}: {result.error or 'no detail'}"
+            if ended == "infra_error":
+                attempt.error = f"{why} (not the policy's doing)"
                 return None
-            if not result.rewards and cfg.retry_without_reward:
+            if ended == "completed" and not rewards and cfg.retry_without_reward:
                 attempt.error = "the run produced no reward"
                 return None
+            if (
+                ended != "completed"
+                and not rewards
+                and cfg.failure_reward is None
+                and cfg.retry_without_reward
+            ):
+                attempt.error = f"{why}; no reward to train it with (see failure_reward)"
+                return None
             collect_started = time.monotonic()
-            rewards = dict(result.rewards)
-            await self.proxy.complete(trial.trial_id, rewards or None)
+            given: str | None = None
+            if ended != "completed":
+                spent = (await self.proxy.get_session(trial.trial_id))["outcome"]
+                given = None if spent == "budget_exhausted" else ended
+            await self.proxy.complete(trial.trial_id, rewards or None, outcome=given)
             export = await self.proxy.trajectories(trial.trial_id)
+            attempt.outcome = str(export.get("outcome") or ended)
             version = await self._current_version(export, current_version)
             samples = build_samples(
                 export,

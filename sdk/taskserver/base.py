@@ -24,6 +24,14 @@ class RunStatus(enum.Enum):
         return self not in {RunStatus.QUEUED, RunStatus.RUNNING}
 
 
+class Fault(enum.Enum):
+    """Whose doing a failed run was (``RunResult.fault``): what decides whether its
+    episode is the policy's to train on or is retried."""
+
+    AGENT = "agent"  # the agent failed (exited with an error, its context overflowed)
+    INFRA = "infra"  # the task's set-up, the sandbox, the verifier, the model API or the server
+
+
 @dataclass(slots=True, frozen=True)
 class RunSpec:
     """One agent run: the task, which agent, and the trial's endpoint."""
@@ -50,6 +58,8 @@ class RunResult:
     rewards: Mapping[str, float] = field(default_factory=dict)  # {} when none was produced
     error: str | None = None
     logs: str | None = None  # where the run's logs are (a path or URL)
+    # A FAILED run: whose doing (None: not said, taken as the infrastructure's).
+    fault: Fault | None = None
 
     @property
     def reward(self) -> float | None:

@@ -31,7 +31,7 @@ import shortuuid
 
 from sdk.exceptions import TaskServerError, TaskServerTimeoutError
 from sdk.http import HttpClient
-from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
+from sdk.taskserver.base import Fault, RunHandle, RunId, RunResult, RunSpec, RunStatus
 
 HARBOR_VERSION = "0.24.0"
 _POLL_SECONDS = 1.0
@@ -79,25 +79,47 @@ def job_config(spec: RunSpec, job_name: str, environment: Mapping[str, Any]) -> 
     }
 
 
+# Harbor's exception types (a TrialResult's ``exception_info.exception_type``, the class
+# name) by whose doing they are. Running out of time, the agent's or the tests' on what it
+# left, is the policy's; so is an agent that failed by itself or whose context or reply
+# outgrew the model's limits. Anything else is not the policy's doing: the model API
+# failing (Harbor's other ``ApiError`` kinds), the sandbox or the agent's set-up (their
+# timeouts included), the verifier's reward file, and a type this list does not know.
+HARBOR_TIMEOUTS = frozenset({"AgentTimeoutError", "VerifierTimeoutError"})
+HARBOR_AGENT_FAULTS = frozenset(
+    {
+        "NonZeroAgentExitCodeError",
+        "ContextWindowExceededError",
+        "OutputTokenExceededError",
+        "AgentSafetyRefusalError",
+        "ContextLengthExceededError",
+        "OutputLengthExceededError",
+    }
+)
+
+
 def result_from_trial(run_id: RunId, trial: Mapping[str, Any], logs: str | None) -> RunResult:
-    """A RunResult from Harbor's TrialResult JSON."""
+    """A RunResult from Harbor's TrialResult JSON: a reward the verifier gave what the
+    agent left counts where the agent's own doing ended the run, never where the
+    infrastructure's did (that run FAILED, ``Fault.INFRA``, to be retried)."""
     verifier = trial.get("verifier_result") or {}
     raw = verifier.get("rewards") or {}
     rewards = {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}
     exception = trial.get("exception_info") or None
-    error = None
-    if exception:
-        error = f"{exception.get('exception_type')}: {exception.get('exception_message')}"
-    if rewards and not exception:
-        status = RunStatus.SUCCEEDED
-    elif exception and "Timeout" in str(exception.get("exception_type", "")):
-        status = RunStatus.TIMED_OUT
-    elif rewards:
-        status = RunStatus.SUCCEEDED  # the verifier scored what the agent left
-    else:
-        status = RunStatus.FAILED
-        error = error or "Harbor's verifier produced no reward"
-    return RunResult(run_id=run_id, status=status, rewards=rewards, error=error, logs=logs)
+    if not exception:
+        if rewards:
+            return RunResult(run_id, RunStatus.SUCCEEDED, rewards, logs=logs)
+        error = "Harbor's verifier produced no reward"
+        return RunResult(run_id, RunStatus.FAILED, error=error, logs=logs, fault=Fault.INFRA)
+    kind = str(exception.get("exception_type", ""))
+    error = f"{kind}: {exception.get('exception_message')}"
+    if kind in HARBOR_TIMEOUTS:
+        return RunResult(run_id, RunStatus.TIMED_OUT, rewards, error, logs)
+    if kind in HARBOR_AGENT_FAULTS:
+        if rewards:  # the verifier scored what the agent left
+            return RunResult(run_id, RunStatus.SUCCEEDED, rewards, error, logs)
+        return RunResult(run_id, RunStatus.FAILED, error=error, logs=logs, fault=Fault.AGENT)
+    return RunResult(run_id, RunStatus.FAILED, rewards, error, logs, fault=Fault.INFRA)
 
 
 class HarborLauncherTaskServer(HttpClient):
@@ -181,6 +203,7 @@ class HarborLauncherTaskServer(HttpClient):
             error=f"harbor run exited with code {returncode} before a trial result: "
             + (" | ".join(tail) or "(no log)"),
             logs=logs,
+            fault=Fault.INFRA,
         )
 
     async def _trial(self, job: str) -> dict[str, Any] | None:

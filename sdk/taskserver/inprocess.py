@@ -7,8 +7,9 @@ verifier per episode would cost more than the episode itself. The callable gets 
 returns the run's rewards; it must reach the model only through ``spec.base_url``, exactly
 as an agent in a sandbox would, so that every call is recorded.
 
-An exception raised by the callable fails the run (``RunStatus.FAILED`` with the error), a
-cancel or timeout cancels its task. A run is forgotten once its finished result has been
+An exception raised by the callable fails the run (``RunStatus.FAILED`` with the error, its
+fault not said, so ``RemoteAgentLoop`` retries it as the infrastructure's), a cancel or
+timeout cancels its task. A run is forgotten once its finished result has been
 handed out by ``wait``, or once it is cancelled (``RemoteAgentLoop`` never waits on a run
 it cancelled): the result of a cancelled run stays for ``wait`` only among the last
 ``ENDED_KEPT`` cancelled ones, so a long training run holds no more than its running runs

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdk.exceptions import TaskDefinitionError
-from sdk.taskserver.base import RunId, RunStatus
+from sdk.taskserver.base import Fault, RunId, RunStatus
 from sdk.taskserver.tasks import HarborTask, read_rewards
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class LocalRun:
     phase: Phase = Phase.WAITING
     rewards: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    fault: Fault | None = None  # a failed run: whose doing
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
@@ -112,6 +113,10 @@ class LocalRun:
             self.finished_at = time.time()
             self.finished.set()
 
+    def fail(self, fault: Fault) -> None:
+        self.fault = fault
+        self.transition(RunStatus.FAILED)
+
     def to_json(self) -> dict[str, object]:
         return {
             "run_id": self.run_id,
@@ -121,6 +126,7 @@ class LocalRun:
             "agent": self.spec.agent,
             "rewards": dict(self.rewards),
             "error": self.error,
+            "fault": None if self.fault is None else self.fault.value,
             "agent_exit_code": self.agent_exit_code,
             "verifier_exit_code": self.verifier_exit_code,
             "created_at": self.created_at,
@@ -340,7 +346,7 @@ async def execute(run: LocalRun, settings: RunnerSettings) -> None:
         prepare_run_dir(run.task, run.run_dir)
     except (TaskDefinitionError, OSError) as exc:
         run.error = str(exc)
-        run.transition(RunStatus.FAILED)
+        run.fail(Fault.INFRA)
         return
 
     run.phase = Phase.AGENT
@@ -394,13 +400,18 @@ async def execute(run: LocalRun, settings: RunnerSettings) -> None:
         rewards = read_rewards(logs / "verifier")
     except TaskDefinitionError as exc:
         run.error = f"verifier: {exc}"
-        run.transition(RunStatus.FAILED)
+        run.fail(Fault.INFRA)
         return
     if rewards is None:
         run.error = f"verifier wrote no reward.txt or reward.json (test.sh exited with code {code})"
         if agent_error:
             run.error = f"{agent_error}; {run.error}"
-        run.transition(RunStatus.FAILED)
+        # An agent that ran out of time or failed is the first cause; a verifier that
+        # graded nothing after an agent that finished is the task's own fault.
+        if agent_timed_out:
+            run.transition(RunStatus.TIMED_OUT)
+        else:
+            run.fail(Fault.AGENT if agent_error else Fault.INFRA)
         return
     run.rewards = rewards
     run.error = agent_error

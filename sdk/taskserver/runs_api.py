@@ -19,7 +19,7 @@ import aiohttp
 
 from sdk.exceptions import TaskDefinitionError, TaskServerError, TaskServerTimeoutError
 from sdk.http import HttpClient
-from sdk.taskserver.base import RunHandle, RunId, RunResult, RunSpec, RunStatus
+from sdk.taskserver.base import Fault, RunHandle, RunId, RunResult, RunSpec, RunStatus
 from sdk.taskserver.tasks import pack_task
 
 _ARCHIVE_CACHE_ENTRIES = 64
@@ -198,10 +198,15 @@ class RunsApiTaskServer(HttpClient):
         except (TypeError, ValueError):
             raise TaskServerError(f"task server {self.url}: a reward is not a number") from None
         error = data.get("error")
+        try:  # a server that does not say (or says something else) leaves it unknown
+            fault = Fault(data.get("fault"))
+        except ValueError:
+            fault = None
         return RunResult(
             run_id=handle.run_id,
             status=status,
             rewards=rewards,
             error=None if error is None else str(error),
             logs=f"{self.url}/api/v1/runs/{handle.run_id}/logs",
+            fault=fault,
         )

@@ -40,7 +40,7 @@ from aiohttp import BodyPartReader, web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sdk.exceptions import TaskDefinitionError
-from sdk.taskserver.base import RunId, RunStatus
+from sdk.taskserver.base import Fault, RunId, RunStatus
 from sdk.taskserver.local import (
     LocalRun,
     LocalRunSpec,
@@ -188,7 +188,7 @@ class TaskServer:
             log.exception("run %s failed unexpectedly", run.run_id)
             if not run.status.finished:
                 run.error = f"task server error: {type(exc).__name__}: {exc}"
-                run.transition(RunStatus.FAILED)
+                run.fail(Fault.INFRA)
         finally:
             self._tasks.pop(run.run_id, None)
             if run.status.finished:

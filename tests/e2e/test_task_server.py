@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from rollout_relay.embedded import RunningProxy
+from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop
 from sdk.client import ProxyClient
+from sdk.exceptions import RemoteAgentLoopError
 from sdk.samples import build_samples
-from sdk.taskserver.base import RunSpec, RunStatus
+from sdk.taskserver.base import Fault, RunSpec, RunStatus
 from sdk.taskserver.harbor import HarborLauncherTaskServer
 from sdk.taskserver.runs_api import RunsApiTaskServer
 from sdk.taskserver.server import RunningTaskServer, TaskServerConfig, start_task_server
@@ -83,6 +85,103 @@ async def test_agent_run_through_task_server_is_recorded(
     workspace = task_server.server.runs_dir / handle.run_id / "workspace"
     assert (workspace / "answer.txt").read_text()
     await proxy_client.delete(trial.trial_id)
+
+
+# Grades only an answer the agent left: no reward at all without one.
+ANSWER_OR_NOTHING = """
+if [ -s /app/answer.txt ]; then echo 1 > /logs/verifier/reward.txt; fi
+"""
+
+
+@pytest.fixture
+async def typed_task_server(tmp_path: Path) -> AsyncIterator[RunningTaskServer]:
+    """Agents that end each way a run can end: the two-turn agent, then hanging past the
+    task's time (``slow``), or failing by itself without leaving an answer (``crash``)."""
+    two_turns = f"{sys.executable} {AGENT}"
+    running = await start_task_server(
+        TaskServerConfig(
+            port=0,
+            runs_dir=tmp_path / "runs",
+            agents={
+                "two-turn": two_turns,
+                "slow": f"{two_turns} && sleep 600",
+                "crash": f"{two_turns} && rm answer.txt && exit 3",
+            },
+        )
+    )
+    yield running
+    await running.stop()
+
+
+@pytest.mark.parametrize(
+    ("agent", "outcome", "reward"),
+    [("slow", "timeout", 1.0), ("crash", "agent_error", -1.0)],
+)
+async def test_a_run_the_policy_ended_trains_with_its_outcome(
+    stack: RunningProxy,
+    proxy_client: ProxyClient,
+    typed_task_server: RunningTaskServer,
+    tmp_path: Path,
+    agent: str,
+    outcome: str,
+    reward: float,
+) -> None:
+    """An agent past the task's time, or failing by itself, is the policy's outcome: one
+    attempt, its trial completed as ``timeout`` / ``agent_error``, its two turns trained
+    with the verifier's grade of what the agent left (the answer the slow agent wrote)
+    or, with no grade, ``failure_reward``."""
+    task = write_task(
+        tmp_path / "tasks",
+        "answer",
+        test_sh=ANSWER_OR_NOTHING,
+        instruction="Say hello.\n",
+        agent_timeout=8 * TIMEOUT_FACTOR,
+    )
+    config = AgentLoopConfig(
+        agent=agent,
+        model="tiny",
+        timeout_seconds=300 * TIMEOUT_FACTOR,
+        sampling={"temperature": 1.0, "max_tokens": 16},
+        failure_reward=-1.0,
+        max_staleness=None,
+    )
+    async with RunsApiTaskServer(typed_task_server.url) as runs:
+        result = await RemoteAgentLoop(proxy_client, runs, config).run(task)
+    (attempt,) = result.attempts
+    assert attempt.outcome == result.outcome == outcome
+    assert result.reward == reward
+    (sample,) = result.samples
+    assert (sample.outcome, sample.reward, sample.num_turns) == (outcome, reward, 2)
+    assert sum(sample.response_mask) > 0
+
+
+async def test_a_run_the_infrastructure_ended_is_retried_never_graded(
+    stack: RunningProxy,
+    proxy_client: ProxyClient,
+    typed_task_server: RunningTaskServer,
+    tmp_path: Path,
+) -> None:
+    """A verifier that grades nothing after an agent that finished is the task's fault,
+    not the policy's: every attempt is retried on a fresh trial, none is trained, even with
+    a ``failure_reward`` that would have graded a policy failure."""
+    broken = "echo 'no reward file today'\n"
+    task = write_task(tmp_path / "tasks", "answer", test_sh=broken, instruction="Say hello.\n")
+    config = AgentLoopConfig(
+        agent="two-turn",
+        model="tiny",
+        timeout_seconds=300 * TIMEOUT_FACTOR,
+        sampling={"temperature": 1.0, "max_tokens": 16},
+        failure_reward=-1.0,
+        max_attempts=2,
+        retry_backoff_seconds=0.0,
+    )
+    async with RunsApiTaskServer(typed_task_server.url) as runs:
+        with pytest.raises(RemoteAgentLoopError, match="not the policy's doing") as info:
+            await RemoteAgentLoop(proxy_client, runs, config).run(task)
+    attempts = info.value.attempts
+    assert [a.outcome for a in attempts] == ["infra_error", "infra_error"]
+    assert [a.result.fault for a in attempts if a.result] == [Fault.INFRA, Fault.INFRA]
+    assert len({a.trial_id for a in attempts}) == 2
 
 
 @pytest.fixture(scope="module")

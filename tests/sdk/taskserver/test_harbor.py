@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from sdk.exceptions import TaskServerError
-from sdk.taskserver.base import RunId, RunSpec, RunStatus
+from sdk.taskserver.base import Fault, RunId, RunSpec, RunStatus
 from sdk.taskserver.harbor import HarborLauncherTaskServer, job_config, result_from_trial
 from tests.conftest import REPO
 from tests.e2e.conftest import TIMEOUT_FACTOR
@@ -90,6 +90,38 @@ def test_result_from_trial_reads_rewards_and_exceptions() -> None:
     )
     assert failed.status is RunStatus.FAILED
     assert failed.error == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize(
+    ("kind", "rewards", "status", "fault"),
+    [
+        ("AgentTimeoutError", {"reward": 0.5}, RunStatus.TIMED_OUT, None),
+        ("VerifierTimeoutError", {}, RunStatus.TIMED_OUT, None),
+        ("NonZeroAgentExitCodeError", {}, RunStatus.FAILED, Fault.AGENT),
+        ("ContextWindowExceededError", {}, RunStatus.FAILED, Fault.AGENT),
+        ("NonZeroAgentExitCodeError", {"reward": 0.0}, RunStatus.SUCCEEDED, None),
+        # Not the policy's doing, graded or not: the model API, the set-up, the sandbox.
+        ("ApiInternalServerError", {"reward": 0.0}, RunStatus.FAILED, Fault.INFRA),
+        ("ApiConnectionClosedError", {}, RunStatus.FAILED, Fault.INFRA),
+        ("AgentSetupTimeoutError", {}, RunStatus.FAILED, Fault.INFRA),
+        ("EnvironmentStartTimeoutError", {}, RunStatus.FAILED, Fault.INFRA),
+        ("RewardFileNotFoundError", {}, RunStatus.FAILED, Fault.INFRA),
+        ("SomethingNewError", {"reward": 1.0}, RunStatus.FAILED, Fault.INFRA),
+    ],
+)
+def test_harbor_exceptions_say_whose_doing_a_run_ended_in(
+    kind: str, rewards: dict[str, float], status: RunStatus, fault: Fault | None
+) -> None:
+    """Harbor's exception types sort a run into the policy's outcomes (its timeouts, an
+    agent that failed by itself) and the infrastructure's, whose runs are retried and never
+    graded, even where the verifier still gave a reward."""
+    trial = {
+        "verifier_result": {"rewards": rewards} if rewards else None,
+        "exception_info": {"exception_type": kind, "exception_message": "x"},
+    }
+    result = result_from_trial(RunId("j"), trial, None)
+    assert (result.status, result.fault) == (status, fault)
+    assert result.error == f"{kind}: x"
 
 
 def _free_port() -> int:
