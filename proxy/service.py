@@ -255,6 +255,22 @@ class TurnService:
     async def start(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """Validate, plan the prompt and dispatch it. Every client error is raised here,
         before a response (or a stream) has begun."""
+        try:
+            return await self._start(session, request)
+        except ProxyError as exc:
+            self._count_server_error(session, exc)
+            raise
+
+    def _count_server_error(self, session: Session, exc: ProxyError) -> None:
+        """A request of ``session`` answered with a server error (5xx) is counted on the
+        trial: what its agent did next was not only the policy's doing."""
+        if exc.status < 500:
+            return
+        session.server_errors += 1
+        if self.store is not None:
+            self.store.save_session(session).add_done_callback(_log_failed_write)
+
+    async def _start(self, session: Session, request: TurnRequest) -> PreparedTurn:
         received = time.perf_counter()
         session.require_active()
         check_message_count(self.limits, len(request.messages))
@@ -562,7 +578,8 @@ class TurnService:
                 raise ProxyError(f"relay error: {exc}") from None
             finally:
                 call.deliver_to(None)
-        except ProxyError:
+        except ProxyError as exc:
+            self._count_server_error(prepared.session, exc)
             _take_waiting(prepared, decoding)
             if decoding.detok.ids:
                 # The worker failed mid-turn: what it sampled is kept as a truncated turn.

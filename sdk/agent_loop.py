@@ -16,11 +16,14 @@ agent failed by itself is the policy's outcome: its trial is completed as ``time
 ``agent_error`` (``budget_exhausted`` where the trial's budget was spent) with the reward the
 verifier gave what the agent left, else ``failure_reward``, and its samples train. Without
 either it is retried (a missing reward is never a zero), or with ``retry_without_reward``
-off kept unrewarded. A run the infrastructure ended
-(the set-up, the sandbox, the model API, the verifier, a cancel, a failure the task server
-does not explain) is retried, never graded.
+off kept unrewarded. A run the infrastructure ended (the set-up, the sandbox, the model API,
+the verifier, a cancel, a failure the task server does not explain) is retried, never
+graded; so is a timeout or an agent failure on a trial whose requests the proxy answered
+with a server error (its ``server_errors``: no worker, a worker lost): the agent may have
+failed for want of the model.
 
-A run retried is retried at most ``max_attempts`` times in all, each time on a NEW trial: turns sampled during a failed attempt are deleted with its session and never
+A run retried is retried at most ``max_attempts`` times in all, each time on a NEW trial:
+turns sampled during a failed attempt are deleted with its session and never
 leak into the samples of the next one. A network fault on the way counts the same: the
 proxy or a task server refusing the connection, dropping it, timing out or answering with
 something that is not its API (a load balancer's HTML error page). Before each retry the
@@ -329,9 +332,19 @@ class RemoteAgentLoop:
             attempt.advance(AttemptState.FINISHED)
             agent_seconds = time.monotonic() - run_started
             ended = run_outcome(result)
-            attempt.outcome = ended
             rewards = dict(result.rewards)
             why = f"run {result.status.value}: {result.error or 'no detail'}"
+            spent = False  # the trial's budget (the proxy's outcome then)
+            if ended != "completed" and ended != "infra_error":
+                summary = await self.proxy.get_session(trial.trial_id)
+                if summary.get("server_errors"):
+                    ended = "infra_error"
+                    why += (
+                        f", after the proxy answered {summary['server_errors']} of the "
+                        "trial's requests with a server error"
+                    )
+                spent = summary.get("outcome") == "budget_exhausted"
+            attempt.outcome = ended
             if ended == "infra_error":
                 attempt.error = f"{why} (not the policy's doing)"
                 return None
@@ -347,10 +360,7 @@ class RemoteAgentLoop:
                 attempt.error = f"{why}; no reward to train it with (see failure_reward)"
                 return None
             collect_started = time.monotonic()
-            given: str | None = None
-            if ended != "completed":
-                spent = (await self.proxy.get_session(trial.trial_id))["outcome"]
-                given = None if spent == "budget_exhausted" else ended
+            given = None if ended == "completed" or spent else ended
             await self.proxy.complete(trial.trial_id, rewards or None, outcome=given)
             export = await self.proxy.trajectories(trial.trial_id)
             attempt.outcome = str(export.get("outcome") or ended)

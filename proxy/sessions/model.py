@@ -238,6 +238,10 @@ class Session:
     # How the episode ended: set when it is completed (``budget_exhausted`` as soon as a
     # request finds the budget spent).
     outcome: Outcome | None = None
+    # Requests of the trial the proxy answered with a server error (5xx: no worker, a
+    # worker that failed or was lost, the store): whatever the agent did next was not
+    # only its own doing.
+    server_errors: int = 0
     nodes: list[TurnNode] = field(default_factory=list)
     by_key: dict[bytes, int] = field(default_factory=dict)
     # A context key's latest turn of an agent whose turn with that key is no longer the
@@ -534,6 +538,7 @@ class Session:
             "agents": len(self.agents),
             "branches": sum(1 for _ in self.leaves()),
             "undelivered_turns": sum(1 for n in self.nodes if not n.meta.delivered),
+            "server_errors": self.server_errors,
             **(
                 {"routing_missing_turns": sum(1 for n in self.nodes if n.routing_missing)}
                 if self.options.routed_experts

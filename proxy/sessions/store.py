@@ -60,7 +60,7 @@ __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_arr
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # What each older schema version needs to become the next one.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",),  # options
@@ -74,6 +74,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE sessions ADD COLUMN outcome TEXT",
         "ALTER TABLE sessions ADD COLUMN agent_rewards TEXT",
     ),
+    5: ("ALTER TABLE sessions ADD COLUMN server_errors INTEGER NOT NULL DEFAULT 0",),
 }
 # Writes waiting when a transaction starts that are committed with it.
 _GROUP_COMMIT = 512
@@ -98,7 +99,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     completed_by TEXT,
     fetched_at REAL,
     outcome TEXT,
-    agent_rewards TEXT
+    agent_rewards TEXT,
+    server_errors INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS turns (
     trial_id TEXT NOT NULL REFERENCES sessions(trial_id) ON DELETE CASCADE,
@@ -183,6 +185,7 @@ def _session_row(s: Session) -> tuple[Any, ...]:
         s.fetched_at,
         s.outcome.value if s.outcome is not None else None,
         _json(s.agent_rewards) if s.agent_rewards else None,
+        s.server_errors,
     )
 
 
@@ -239,6 +242,7 @@ def _session_from(row: sqlite3.Row) -> Session:
         reward=None if reward is None else json.loads(reward),
         outcome=Outcome(row["outcome"]) if row["outcome"] else None,
         agent_rewards=json.loads(row["agent_rewards"]) if row["agent_rewards"] else {},
+        server_errors=row["server_errors"],
     )
 
 
@@ -289,15 +293,16 @@ def _put_session(session_row: tuple[Any, ...]) -> _Op:
         db.execute(
             "INSERT INTO sessions (trial_id, api_key, state, model, sampling, options, metadata,"
             " reward, created_at, updated_at, completed_at, completed_by, fetched_at, outcome,"
-            " agent_rewards)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+            " agent_rewards, server_errors)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
             " ON CONFLICT(trial_id) DO UPDATE SET api_key=excluded.api_key,"
             " state=excluded.state, model=excluded.model, sampling=excluded.sampling,"
             " options=excluded.options,"
             " metadata=excluded.metadata, reward=excluded.reward,"
             " updated_at=excluded.updated_at, completed_at=excluded.completed_at,"
             " completed_by=excluded.completed_by, fetched_at=excluded.fetched_at,"
-            " outcome=excluded.outcome, agent_rewards=excluded.agent_rewards",
+            " outcome=excluded.outcome, agent_rewards=excluded.agent_rewards,"
+            " server_errors=excluded.server_errors",
             session_row,
         )
 

@@ -157,7 +157,9 @@ async def test_no_worker_is_503_with_retry_after(
             assert status == 503
             assert payload["error"]["code"] == "no_worker"
             assert headers["Retry-After"] == "5"
-            assert (await client.get_session(trial.trial_id))["turns"] == 0
+            summary = await client.get_session(trial.trial_id)
+            assert summary["turns"] == 0
+            assert summary["server_errors"] == 1  # not the agent's doing
     finally:
         await running.stop()
 

@@ -239,6 +239,8 @@ async def test_a_worker_lost_mid_turn_leaves_the_turn_without_its_rows(
                 if export["trajectories"]:
                     break
                 await asyncio.sleep(0.05)
+            async with http.get(f"/sessions/{trial}") as r:
+                assert (await r.json())["server_errors"] == 1
         (traj,) = export["trajectories"]
         (turn,) = traj["turns"]
         assert turn["truncated"] is True

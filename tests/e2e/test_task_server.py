@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_relay.embedded import RunningProxy
+from proxy.config import ProxyConfig
+from rollout_relay.embedded import RunningProxy, start_proxy
 from sdk.agent_loop import AgentLoopConfig, RemoteAgentLoop
 from sdk.client import ProxyClient
 from sdk.exceptions import RemoteAgentLoopError
@@ -182,6 +183,40 @@ async def test_a_run_the_infrastructure_ended_is_retried_never_graded(
     assert [a.outcome for a in attempts] == ["infra_error", "infra_error"]
     assert [a.result.fault for a in attempts if a.result] == [Fault.INFRA, Fault.INFRA]
     assert len({a.trial_id for a in attempts}) == 2
+
+
+async def test_an_agent_that_failed_for_want_of_the_model_is_not_the_policys_doing(
+    typed_task_server: RunningTaskServer, tmp_path: Path
+) -> None:
+    """A proxy with no worker answers the agent's first call 503; the agent then fails, a
+    failure the task server lays on the agent. The trial counts the server error, so the
+    loop takes the run as the infrastructure's: retried, never trained as a failure."""
+    task = write_task(
+        tmp_path / "tasks", "answer", test_sh=ANSWER_OR_NOTHING, instruction="Say hello.\n"
+    )
+    config = AgentLoopConfig(
+        agent="two-turn",
+        model="tiny",
+        timeout_seconds=300 * TIMEOUT_FACTOR,
+        failure_reward=-1.0,
+        max_attempts=1,
+    )
+    empty = await start_proxy(
+        ProxyConfig(port=0, worker_wait_seconds=0.2, cache_dir=tmp_path / "cache")
+    )
+    try:
+        async with (
+            ProxyClient(empty.url) as proxy,
+            RunsApiTaskServer(typed_task_server.url) as runs,
+        ):
+            with pytest.raises(RemoteAgentLoopError, match="with a server error") as info:
+                await RemoteAgentLoop(proxy, runs, config).run(task)
+    finally:
+        await empty.stop()
+    (attempt,) = info.value.attempts
+    assert attempt.result is not None
+    assert attempt.result.fault is Fault.AGENT  # what the task server saw
+    assert attempt.outcome == "infra_error"
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 5
+    assert int(version) == SCHEMA_VERSION == 6
     store = await SessionStore.open(tmp_path)
     sessions = {x.trial_id: x for x in (await store.load()).sessions}
     await store.close()
@@ -169,7 +169,8 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
 
 
 def _drop_agents(db: sqlite3.Connection) -> None:
-    """Back to the layout before agents and outcomes were stored (version 4)."""
+    """Back to the layout before agents, outcomes and server errors were stored (version 4)."""
     db.execute("ALTER TABLE turns DROP COLUMN agent")
     db.execute("ALTER TABLE sessions DROP COLUMN outcome")
     db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")
+    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")

@@ -305,7 +305,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 5
+    assert int(version) == SCHEMA_VERSION == 6
 
 
 async def test_version_spans_round_trip(tmp_path: Path) -> None:
@@ -456,8 +456,30 @@ async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_a_version_5_store_gains_the_server_error_count(tmp_path: Path) -> None:
+    """A store written before server errors were counted opens with none counted; a count
+    saved after reloads as saved."""
+    s = _tree()
+    store = await _stored(tmp_path, s)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")
+    db.execute("UPDATE relay_meta SET value='5' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    assert loaded.server_errors == 0
+    loaded.server_errors = 3
+    await store.save_session(loaded)
+    await store.close()
+    store, (again,) = await _reopen(tmp_path)
+    await store.close()
+    assert again.server_errors == 3
+
+
 def _drop_agents(db: sqlite3.Connection) -> None:
-    """Back to the layout before agents and outcomes were stored (version 4)."""
+    """Back to the layout before agents, outcomes and server errors were stored (version 4)."""
     db.execute("ALTER TABLE turns DROP COLUMN agent")
     db.execute("ALTER TABLE sessions DROP COLUMN outcome")
     db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")
+    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")
