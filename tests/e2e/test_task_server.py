@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,31 @@ if [ -s /app/answer.txt ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 
 """
 
 
+# Grades only an answer the agent left: no reward at all without one.
+ANSWER_OR_NOTHING = """
+if [ -s /app/answer.txt ]; then echo 1 > /logs/verifier/reward.txt; fi
+"""
+
+
+def _task(tmp_path: Path, test_sh: str = ANSWER_OR_NOTHING, **settings: Any) -> Path:
+    """The task every test here runs: say hello, graded by ``test_sh``."""
+    return write_task(
+        tmp_path / "tasks", "answer", test_sh=test_sh, instruction="Say hello.\n", **settings
+    )
+
+
+def _loop_config(agent: str, **settings: Any) -> AgentLoopConfig:
+    """The loop on the tiny model with short replies, ``settings`` on top."""
+    values: dict[str, Any] = {
+        "agent": agent,
+        "model": "tiny",
+        "timeout_seconds": 300 * TIMEOUT_FACTOR,
+        "sampling": {"temperature": 1.0, "max_tokens": 16},
+        "max_staleness": None,
+    }
+    return AgentLoopConfig(**(values | settings))
+
+
 @pytest.fixture
 async def task_server(tmp_path: Path) -> AsyncIterator[RunningTaskServer]:
     running = await start_task_server(
@@ -54,7 +80,7 @@ async def test_agent_run_through_task_server_is_recorded(
     """register a trial → submit the run with the trial's base URL and key → the agent's two
     turns are recorded on the trial as one trajectory, and the verifier's reward comes back
     and is stored with the session."""
-    task = write_task(tmp_path / "tasks", "answer", test_sh=TEST_SH, instruction="Say hello.\n")
+    task = _task(tmp_path, TEST_SH)
     trial = await proxy_client.create_session(sampling={"temperature": 1.0, "max_tokens": 16})
     async with RunsApiTaskServer(task_server.url) as runs:
         handle = await runs.submit(
@@ -86,12 +112,6 @@ async def test_agent_run_through_task_server_is_recorded(
     workspace = task_server.server.runs_dir / handle.run_id / "workspace"
     assert (workspace / "answer.txt").read_text()
     await proxy_client.delete(trial.trial_id)
-
-
-# Grades only an answer the agent left: no reward at all without one.
-ANSWER_OR_NOTHING = """
-if [ -s /app/answer.txt ]; then echo 1 > /logs/verifier/reward.txt; fi
-"""
 
 
 @pytest.fixture
@@ -131,21 +151,8 @@ async def test_a_run_the_policy_ended_trains_with_its_outcome(
     attempt, its trial completed as ``timeout`` / ``agent_error``, its two turns trained
     with the verifier's grade of what the agent left (the answer the slow agent wrote)
     or, with no grade, ``failure_reward``."""
-    task = write_task(
-        tmp_path / "tasks",
-        "answer",
-        test_sh=ANSWER_OR_NOTHING,
-        instruction="Say hello.\n",
-        agent_timeout=8 * TIMEOUT_FACTOR,
-    )
-    config = AgentLoopConfig(
-        agent=agent,
-        model="tiny",
-        timeout_seconds=300 * TIMEOUT_FACTOR,
-        sampling={"temperature": 1.0, "max_tokens": 16},
-        failure_reward=-1.0,
-        max_staleness=None,
-    )
+    task = _task(tmp_path, agent_timeout=8 * TIMEOUT_FACTOR)
+    config = _loop_config(agent, failure_reward=-1.0)
     async with RunsApiTaskServer(typed_task_server.url) as runs:
         result = await RemoteAgentLoop(proxy_client, runs, config).run(task)
     (attempt,) = result.attempts
@@ -166,15 +173,9 @@ async def test_a_run_the_infrastructure_ended_is_retried_never_graded(
     not the policy's: every attempt is retried on a fresh trial, none is trained, even with
     a ``failure_reward`` that would have graded a policy failure."""
     broken = "echo 'no reward file today'\n"
-    task = write_task(tmp_path / "tasks", "answer", test_sh=broken, instruction="Say hello.\n")
-    config = AgentLoopConfig(
-        agent="two-turn",
-        model="tiny",
-        timeout_seconds=300 * TIMEOUT_FACTOR,
-        sampling={"temperature": 1.0, "max_tokens": 16},
-        failure_reward=-1.0,
-        max_attempts=2,
-        retry_backoff_seconds=0.0,
+    task = _task(tmp_path, broken)
+    config = _loop_config(
+        "two-turn", failure_reward=-1.0, max_attempts=2, retry_backoff_seconds=0.0
     )
     async with RunsApiTaskServer(typed_task_server.url) as runs:
         with pytest.raises(RemoteAgentLoopError, match="not the policy's doing") as info:
@@ -191,16 +192,8 @@ async def test_an_agent_that_failed_for_want_of_the_model_is_not_the_policys_doi
     """A proxy with no worker answers the agent's first call 503; the agent then fails, a
     failure the task server lays on the agent. The trial counts the server error, so the
     loop takes the run as the infrastructure's: retried, never trained as a failure."""
-    task = write_task(
-        tmp_path / "tasks", "answer", test_sh=ANSWER_OR_NOTHING, instruction="Say hello.\n"
-    )
-    config = AgentLoopConfig(
-        agent="two-turn",
-        model="tiny",
-        timeout_seconds=300 * TIMEOUT_FACTOR,
-        failure_reward=-1.0,
-        max_attempts=1,
-    )
+    task = _task(tmp_path)
+    config = _loop_config("two-turn", failure_reward=-1.0, max_attempts=1)
     empty = await start_proxy(
         ProxyConfig(port=0, worker_wait_seconds=0.2, cache_dir=tmp_path / "cache")
     )
@@ -236,7 +229,7 @@ async def test_agent_run_through_harbor_is_recorded(
     an environment of local processes loaded by import_path, standing in for containers):
     Harbor hands it the trial's endpoint, the proxy records its two turns, and the
     verifier's reward comes back through Harbor's TrialResult."""
-    task = write_task(tmp_path / "tasks", "answer", test_sh=TEST_SH, instruction="Say hello.\n")
+    task = _task(tmp_path, TEST_SH)
     trial = await proxy_client.create_session(sampling={"temperature": 1.0, "max_tokens": 16})
     async with HarborLauncherTaskServer(harbor_launcher) as harbor:
         handle = await harbor.submit(
@@ -268,15 +261,9 @@ async def test_an_agent_past_its_time_through_harbor_trains_as_a_timeout(
     """A real Harbor trial whose agent answers, then outlives its time: Harbor's
     AgentTimeoutError, then its verifier grades what the agent left, and the loop trains
     the episode as a ``timeout`` with that grade, in one attempt."""
-    task = write_task(
-        tmp_path / "tasks", "answer", test_sh=ANSWER_OR_NOTHING, instruction="Say hello.\n"
-    )
-    config = AgentLoopConfig(
-        agent="harbor_command_agent:CommandAgent",
-        model="tiny",
-        timeout_seconds=300 * TIMEOUT_FACTOR,
-        sampling={"temperature": 1.0, "max_tokens": 16},
-        max_staleness=None,
+    task = _task(tmp_path)
+    config = _loop_config(
+        "harbor_command_agent:CommandAgent",
         agent_settings={
             "kwargs": {"command": f"{sys.executable} {AGENT} && sleep 600"},
             "environment": {"import_path": "harbor_local_env:LocalEnvironment"},
