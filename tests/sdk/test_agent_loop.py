@@ -147,7 +147,7 @@ async def test_timeout_cancels_the_run_and_deletes_the_session(
         local_task_server,
         _config(
             agent_settings={"AGENT_HANG": "1"},
-            timeout_seconds=15 * TIMEOUT_FACTOR,
+            timeout_seconds=5 * TIMEOUT_FACTOR,
             max_attempts=1,
         ),
     )
