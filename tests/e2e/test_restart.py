@@ -196,7 +196,17 @@ def test_kill_9_restart_and_the_agent_continues(proxy: Proxy) -> None:
     assert status == 409
     assert json.loads(body)["error"]["code"] == "session_completed"
 
-    # A third life: the continued turn survived too, and nothing was duplicated.
+    # A third life: the continued turn survived too, and nothing was duplicated. Its
+    # delivery is recorded after the reply's last byte went out, so the export to compare
+    # with is the one that shows it, and a session created after it (answered once
+    # committed, by the same writer, in order) marks it committed.
+    for _ in range(100):
+        if export["trajectories"][0]["turns"][2]["delivered"]:
+            break
+        time.sleep(0.05)
+        export = _json("GET", f"{proxy.url}/sessions/{tid}/trajectories")
+    assert export["trajectories"][0]["turns"][2]["delivered"]
+    _json("POST", f"{proxy.url}/sessions", {"trial_id": "after-the-third-turn"})
     proxy.kill9()
     proxy.start()
     status, body = _request("GET", f"{proxy.url}/sessions/{tid}/trajectories")
