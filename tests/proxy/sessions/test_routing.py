@@ -15,6 +15,7 @@ from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import TurnRouting, turn_routing
 from proxy.sessions.store import DB_NAME, SCHEMA_VERSION, SessionStore
 from relay import protocol
+from tests.proxy.sessions.layouts import drop_agents, drop_routing
 
 SHAPE = protocol.RoutingShape(layers=2, top_k=2, experts=8)  # 4 bytes a row, uint8
 
@@ -145,9 +146,8 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     await store.save_turn(s, s.nodes[0])
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
-    db.execute("ALTER TABLE turns DROP COLUMN routing")
-    db.execute("ALTER TABLE turns DROP COLUMN routing_head")
-    _drop_agents(db)
+    drop_routing(db)
+    drop_agents(db)
     db.execute("UPDATE relay_meta SET value='3' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -166,11 +166,3 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     sessions = {x.trial_id: x for x in (await store.load()).sessions}
     await store.close()
     assert isinstance(sessions["moe"].nodes[0].routing, TurnRouting)
-
-
-def _drop_agents(db: sqlite3.Connection) -> None:
-    """Back to the layout before agents, outcomes and server errors were stored (version 4)."""
-    db.execute("ALTER TABLE turns DROP COLUMN agent")
-    db.execute("ALTER TABLE sessions DROP COLUMN outcome")
-    db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")
-    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")

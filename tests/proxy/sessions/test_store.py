@@ -30,6 +30,7 @@ from proxy.sessions.store import (
     decode_array,
     encode_array,
 )
+from tests.proxy.sessions.layouts import drop_agents, drop_routing, drop_server_errors
 
 
 def _meta(reason: str, **extra: str | int | float) -> TurnMeta:
@@ -96,12 +97,6 @@ async def _stored(path: Path, session: Session) -> SessionStore:
     for node in session.nodes:
         await store.save_turn(session, node)
     return store
-
-
-def _drop_routing(db: sqlite3.Connection) -> None:
-    """Back to the version 3 layout: turns without routing rows."""
-    db.execute("ALTER TABLE turns DROP COLUMN routing")
-    db.execute("ALTER TABLE turns DROP COLUMN routing_head")
 
 
 async def _reopen(path: Path) -> tuple[SessionStore, list[Session]]:
@@ -290,10 +285,10 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)  # back to the version 1 layout
     db.execute("ALTER TABLE sessions DROP COLUMN options")
-    _drop_routing(db)
+    drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
-    _drop_agents(db)
+    drop_agents(db)
     db.execute("UPDATE relay_meta SET value='1' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -443,10 +438,10 @@ async def test_a_version_2_store_gains_image_columns(tmp_path: Path) -> None:
         await store.save_turn(s, node)
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
-    _drop_routing(db)
+    drop_routing(db)
     db.execute("ALTER TABLE turns DROP COLUMN images")
     db.execute("DROP TABLE images")
-    _drop_agents(db)
+    drop_agents(db)
     db.execute("UPDATE relay_meta SET value='2' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -463,7 +458,7 @@ async def test_a_version_5_store_gains_the_server_error_count(tmp_path: Path) ->
     store = await _stored(tmp_path, s)
     await store.close()
     db = sqlite3.connect(tmp_path / DB_NAME)
-    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")
+    drop_server_errors(db)
     db.execute("UPDATE relay_meta SET value='5' WHERE key='schema_version'")
     db.commit()
     db.close()
@@ -475,11 +470,3 @@ async def test_a_version_5_store_gains_the_server_error_count(tmp_path: Path) ->
     store, (again,) = await _reopen(tmp_path)
     await store.close()
     assert again.server_errors == 3
-
-
-def _drop_agents(db: sqlite3.Connection) -> None:
-    """Back to the layout before agents, outcomes and server errors were stored (version 4)."""
-    db.execute("ALTER TABLE turns DROP COLUMN agent")
-    db.execute("ALTER TABLE sessions DROP COLUMN outcome")
-    db.execute("ALTER TABLE sessions DROP COLUMN agent_rewards")
-    db.execute("ALTER TABLE sessions DROP COLUMN server_errors")
