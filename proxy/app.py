@@ -23,8 +23,8 @@ from proxy.lifecycle import LIFECYCLE, Lifecycle, drain_gate
 from proxy.limits import Limits
 from proxy.models import ModelRegistry
 from proxy.observability import ProxyMetrics, observe_middleware, setup_observability
-from proxy.service import TurnService
 from proxy.sessions.registry import SessionRegistry
+from proxy.turns import TurnService
 from relay.endpoint import WorkerSocketConfig, make_worker_socket_handler
 from relay.pool import PoolLimits, WorkerPool
 from relay.weights import WeightSync
@@ -109,7 +109,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app[IMAGES] = ImageSources(checker, fetcher)
     app[LIFECYCLE] = Lifecycle(retry_after_seconds=config.retry_after_seconds)
     metrics = ProxyMetrics(pool, lambda: len(app[SESSIONS]), coalescer)
-    app[SERVICE].metrics = metrics
+    app[SERVICE].recorder.metrics = metrics
     setup_observability(app, metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -7,8 +7,8 @@ from aiohttp import web
 from proxy.api.images import ImageSources
 from proxy.config import ProxyConfig
 from proxy.models import ModelRegistry
-from proxy.service import TurnService
 from proxy.sessions.registry import SessionRegistry
+from proxy.turns import TurnService
 from relay.pool import WorkerPool
 from relay.weights import WeightSync
 

@@ -54,7 +54,7 @@ async def _durability(app: web.Application) -> AsyncIterator[None]:
         loaded = await store.load()
         registry.restore(loaded)
         registry.store = store
-        app[SERVICE].store = store
+        app[SERVICE].recorder.store = store
         log.info(
             "session store %s: restored %d sessions (%d turns)",
             store.path,

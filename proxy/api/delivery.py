@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from proxy.service import TurnResult, TurnService
 from proxy.sessions.agents import agent_header_text
 from proxy.sessions.model import Session
 from proxy.sessions.retries import RetryMarks
+from proxy.turns import TurnResult, TurnService
 
 __all__ = ["retry_marks", "send_whole", "settle"]
 

@@ -16,9 +16,9 @@ from proxy.cluster import CLUSTER, FORWARDED_BY, Cluster, new_owned_trial_id
 from proxy.exceptions import BadRequestError, NotFoundError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
-from proxy.service import no_routing
 from proxy.sessions.model import Outcome, Session, SessionState
 from proxy.sessions.options import validate_options
+from proxy.turns import no_routing
 from relay.pool import WorkerPool
 
 

@@ -1,62 +1,61 @@
-"""Which agent made a turn: the trial's main agent, or a sub-agent it spawned.
+"""Which agent made a turn, as a turn records it, and what a request's headers say of it.
 
 Agents that delegate (Claude Code's Agent tool, Codex's spawned threads) send their
 sub-agents' requests to the same base URL as the main agent's. Every turn records
-``agent: {"id", "parent", "kind"}``: the main agent is ``id: "main"``, ``parent: None``,
-``kind: "main"``; a sub-agent keeps the id its agent sent, and ``parent`` is the id of the
-agent that spawned it (``"main"`` for a first-level one). Where it comes from, most trusted
-first:
+``agent: {"id", "parent", "kind"}``: the main agent is ``id: "main"``, ``parent: None``;
+a sub-agent keeps the id its agent sent (else the id of the call that spawned it), and
+``parent`` is the id of the agent that spawned it (``"main"`` for a first-level one).
+``kind`` is the turn's own: ``main``, ``subagent``, ``compaction`` or ``auxiliary``.
 
-1. the agent's own headers. Claude Code (2.1.113 and later) sends
-   ``x-claude-code-agent-id`` on a sub-agent's requests, with
-   ``x-claude-code-parent-agent-id`` on a nested one's, and the main thread sends neither;
-   with ``CLAUDE_CODE_GATEWAY_HINT_HEADERS=1`` every request also says its class
-   (``x-claude-code-request-class``: main, subagent, workflow, compaction, auxiliary,
-   side_reply). Codex sends ``thread-id`` on every request, ``x-codex-parent-thread-id``
-   on a spawned thread's, and ``x-openai-subagent`` (review, compact,
-   memory_consolidation, collab_spawn, ...) on a sub-agent's;
-2. a harness's headers, for agents that send nothing: ``x-relay-agent-id``,
-   ``x-relay-parent-agent-id``, ``x-relay-agent-kind`` (checked: a bad value is refused);
-3. the content: a new root whose first user message holds the ``prompt`` of an Agent or
-   Task tool call the trial's agent made, not yet answered nor taken by another sub-agent,
-   is that call's sub-agent (its id is then the call's id).
+This module holds the records (``TurnAgent``, the spawning calls a reply made, the spawn
+results a request carried) and reads the headers, most trusted first:
 
-A sub-agent's first turn records ``spawned_by``: the turn whose reply made the call and
-the call's id as the agent received it (no agent sends it; it is found by the prompt, for
-sub-agents named by headers too). A turn only continues a turn of its own agent, so
-concurrent sub-agents never grow into each other's chains; a turn nothing names continues
-whichever chain its messages extend and belongs to that chain's agent.
+1. the agent's own. Claude Code (2.1.113 and later) sends ``x-claude-code-agent-id`` on a
+   sub-agent's requests, with ``x-claude-code-parent-agent-id`` on a nested one's, and the
+   main thread sends neither; with ``CLAUDE_CODE_GATEWAY_HINT_HEADERS=1`` every request
+   also says its class (``x-claude-code-request-class``: main, subagent, workflow,
+   compaction, auxiliary, side_reply). Codex sends ``thread-id`` on every request,
+   ``x-codex-parent-thread-id`` on a spawned thread's, ``x-openai-subagent`` (review,
+   compact, memory_consolidation, collab_spawn, ...) on a sub-agent's, and
+   ``x-codex-turn-metadata`` (JSON: ``thread_source``, ``request_kind``, ...);
+2. a harness's, for agents that send nothing: ``x-relay-agent-id``,
+   ``x-relay-parent-agent-id``, ``x-relay-agent-kind`` (checked: a bad value is refused).
 
-Everything here is a pure function of the request's headers and the session's turns.
+Deciding a turn's agent from these, the request and the session is
+``proxy.turns.attribution``'s (a pure step of the turn's plan).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote
 
 import msgspec
 
+from proxy.chat.messages import ToolCall
 from proxy.exceptions import BadRequestError
-
-if TYPE_CHECKING:  # the session holds these structs; only its type is needed here
-    from proxy.chat.messages import ChatMessage, ToolCall
-    from proxy.sessions.model import Session
 
 __all__ = [
     "AGENT_KINDS",
     "HARNESS_HEADERS",
     "MAIN",
+    "MAIN_AGENT",
+    "NO_SPAWNS",
     "AgentClaim",
+    "CallKey",
     "Spawn",
+    "SpawnCall",
+    "SpawnResult",
     "SpawnedBy",
+    "Spawns",
     "TurnAgent",
     "agent_claim",
     "agent_header_text",
-    "attribute",
+    "spawn_message",
+    "spawned_agent",
     "spawns_of",
 ]
 
@@ -75,6 +74,7 @@ CLAUDE_REQUEST_CLASS = "x-claude-code-request-class"
 CODEX_THREAD_ID = "thread-id"
 CODEX_PARENT_THREAD_ID = "x-codex-parent-thread-id"
 CODEX_SUBAGENT = "x-openai-subagent"
+CODEX_TURN_METADATA = "x-codex-turn-metadata"
 # Every header that can name an agent (a retry is the same request only from one agent).
 AGENT_HEADERS = (
     CLAUDE_AGENT_ID,
@@ -103,24 +103,39 @@ _CODEX_SOURCES = {
     "memory_consolidation": "auxiliary",
     "collab_spawn": "subagent",
 }
-# The tools that spawn a sub-agent, and the argument that is its first message.
-SPAWN_TOOLS = {"Agent": "prompt", "Task": "prompt"}
+# The tools that spawn a sub-agent: Claude Code's Agent (Task before 2.1) with the
+# sub-agent's first message in ``prompt``; Codex's ``spawn_agent`` (in its
+# ``multi_agent_v1`` namespace, which the model sees flattened) with it in ``message`` or
+# as ``items[].text``.
+_CLAUDE_SPAWN_TOOLS = frozenset({"Agent", "Task"})
+_CODEX_SPAWN_TOOLS = frozenset({"spawn_agent", "multi_agent_v1__spawn_agent"})
 _MAX_ID = 200
 
 
 class SpawnedBy(msgspec.Struct, frozen=True, gc=False):
-    """The parent's turn whose reply made the call, and the call's id."""
+    """The parent's turn whose reply made the call, and the call's id. ``turn`` is None on
+    a sub-agent that started while that reply was still streaming (the turn had no index
+    yet): the session finds it by the call's id."""
 
-    turn: int
+    turn: int | None
     tool_call_id: str
 
 
 class Spawn(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """An Agent/Task call a turn's reply made: its id and the prompt it gives the
+    """A spawning call a turn's reply made: its id and the first message it gives the
     sub-agent."""
 
     tool_call_id: str
-    prompt: str
+    message: str
+
+
+class SpawnResult(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """A spawning call's result that a request carried back: the call's id and the id of
+    the agent it started (Codex's ``spawn_agent`` returns ``{"agent_id": ...}``, Claude
+    Code's background launches ``{"agentId": ...}``)."""
+
+    tool_call_id: str
+    agent: str
 
 
 class TurnAgent(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -131,12 +146,53 @@ class TurnAgent(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     kind: str = "main"
     spawned_by: SpawnedBy | None = None  # on a sub-agent's first turn
     spawns: tuple[Spawn, ...] = ()  # the sub-agents its reply asked for
+    # The spawn results its request brought back (they confirm which call started which
+    # agent).
+    results: tuple[SpawnResult, ...] = ()
 
     def as_dict(self) -> dict[str, str | None]:
         return {"id": self.id, "parent": self.parent, "kind": self.kind}
 
 
 MAIN_AGENT = TurnAgent()
+
+# A spawning call, by the turn that made it (None: its reply is still streaming) and its id.
+CallKey = tuple[int | None, str]
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnCall:
+    """A spawning call the agent was sent."""
+
+    turn: int | None  # the turn whose reply made it; None while that reply streams
+    tool_call_id: str
+    message: str  # the first message it gives the sub-agent
+    agent: str  # the agent that made it
+    answered: bool = False  # the turn that made it was continued
+
+    @property
+    def key(self) -> CallKey:
+        return (self.turn, self.tool_call_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Spawns:
+    """A session's spawning calls as attribution sees them: in the order they were made,
+    and which agent took each (a recorded first turn, a dispatched one, a result that
+    named the agent)."""
+
+    calls: Sequence[SpawnCall] = ()
+    taken: Mapping[CallKey, str] = field(default_factory=dict)
+
+    def linked(self, agent: str) -> SpawnCall | None:
+        """The call ``agent`` took (a result named it, or its first request is in flight)."""
+        for call in self.calls:
+            if self.taken.get(call.key) == agent:
+                return call
+        return None
+
+
+NO_SPAWNS = Spawns()
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,15 +255,37 @@ def _claude_claim(headers: Mapping[str, str]) -> AgentClaim | None:
 
 def _codex_claim(headers: Mapping[str, str]) -> AgentClaim | None:
     thread = _own_id(headers.get(CODEX_THREAD_ID))
+    metadata = _codex_metadata(headers)
     parent = _own_id(headers.get(CODEX_PARENT_THREAD_ID))
+    if parent is None and metadata.get("thread_source") == "subagent":
+        parent = _own_id(_text(metadata.get("parent_thread_id")))
     source = headers.get(CODEX_SUBAGENT, "").strip().lower()
+    kind = _CODEX_SOURCES.get(source)
+    if _text(metadata.get("request_kind")) == "compaction":
+        kind = "compaction"
     if thread is not None and parent is not None and thread != parent:
-        return AgentClaim(thread, parent, _CODEX_SOURCES.get(source, "subagent"), True)
-    if source:
-        return AgentClaim(MAIN, None, _CODEX_SOURCES.get(source, "auxiliary"))
+        return AgentClaim(thread, parent, kind or "subagent", True)
+    if source or kind is not None:
+        return AgentClaim(MAIN, None, kind or "auxiliary")
     if thread is not None:
         return AgentClaim(MAIN, None, None)
     return None
+
+
+def _codex_metadata(headers: Mapping[str, str]) -> dict[str, Any]:
+    """Codex's turn metadata (a JSON object; anything else says nothing)."""
+    raw = headers.get(CODEX_TURN_METADATA)
+    if not raw or len(raw) > 8192:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value: object) -> str | None:
+    return value.strip().lower() if isinstance(value, str) else None
 
 
 def _harness_claim(headers: Mapping[str, str]) -> AgentClaim | None:
@@ -244,77 +322,51 @@ def agent_header_text(headers: Mapping[str, str]) -> str:
     return "\0".join(headers.get(name, "") for name in AGENT_HEADERS)
 
 
-# ---------------------------------------------------------------------- attribution
+# ---------------------------------------------------------------------- spawning calls
+
+
+def spawn_message(call: ToolCall) -> str | None:
+    """The first message a spawning call gives its sub-agent (None: not a spawning call,
+    or one without a message)."""
+    if call.name not in _CLAUDE_SPAWN_TOOLS and call.name not in _CODEX_SPAWN_TOOLS:
+        return None
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    if call.name in _CLAUDE_SPAWN_TOOLS:
+        text = value.get("prompt")
+    else:
+        text = value.get("message")
+        items = value.get("items")
+        if not isinstance(text, str) and isinstance(items, list):
+            texts = [i.get("text") for i in items if isinstance(i, dict)]
+            text = "\n".join(t for t in texts if isinstance(t, str))
+    return text.strip() or None if isinstance(text, str) else None
 
 
 def spawns_of(tool_calls: Sequence[ToolCall]) -> tuple[Spawn, ...]:
-    """The Agent/Task calls among a reply's tool calls, with their prompts."""
+    """The spawning calls among a reply's tool calls, with their messages."""
     out: list[Spawn] = []
     for call in tool_calls:
-        argument = SPAWN_TOOLS.get(call.name)
-        if argument is None:
-            continue
-        try:
-            value = json.loads(call.arguments)
-        except ValueError:
-            continue
-        prompt = value.get(argument) if isinstance(value, dict) else None
-        if isinstance(prompt, str) and prompt.strip():
-            out.append(Spawn(call.id, prompt.strip()))
+        message = spawn_message(call)
+        if message is not None:
+            out.append(Spawn(call.id, message))
     return tuple(out)
 
 
-def _first_user_text(messages: Sequence[ChatMessage]) -> str | None:
-    for message in messages:
-        if message.role == "user":
-            return message.content
-    return None
-
-
-def attribute(
-    session: Session,
-    claim: AgentClaim | None,
-    parent: int | None,
-    messages: Sequence[ChatMessage],
-) -> TurnAgent:
-    """The agent of a turn that continues ``parent`` (None: a new root). A continued turn
-    of a claim continues a turn of the same agent (``Session.find_continuation``)."""
-    if parent is not None:
-        before = session.nodes[parent].agent
-        if claim is None:
-            return TurnAgent(before.id, before.parent, before.kind)
-        return TurnAgent(before.id, before.parent, claim.kind or before.kind)
-    text = _first_user_text(messages)
-    if claim is None:
-        if text is None:
-            return MAIN_AGENT
-        found = session.find_spawn(text, claim=None)
-        if found is None:
-            return MAIN_AGENT
-        entry, fresh = found
-        known = None if fresh else session.agent(entry.claimed_by or "")
-        if known is not None:  # a new root of a sub-agent found earlier (a rewritten chain)
-            return TurnAgent(known.id, known.parent, known.kind)
-        spawner = session.nodes[entry.turn].agent.id
-        return TurnAgent(
-            entry.spawn.tool_call_id,
-            spawner,
-            "subagent",
-            SpawnedBy(entry.turn, entry.spawn.tool_call_id),
-        )
-    if claim.id == MAIN:
-        return TurnAgent(MAIN, None, claim.kind or "main")
-    known = session.agent(claim.id)
-    resolved = claim.parent
-    if claim.parent_is_thread and resolved is not None and session.agent(resolved) is None:
-        resolved = MAIN  # a parent thread that made no turn as a sub-agent is the main one
-    kind = claim.kind or "subagent"
-    if known is not None:
-        return TurnAgent(known.id, known.parent, kind)
-    spawned_by = None
-    if text is not None:
-        found = session.find_spawn(text, claim=claim.id)
-        if found is not None and found[1]:
-            entry = found[0]
-            spawned_by = SpawnedBy(entry.turn, entry.spawn.tool_call_id)
-    return TurnAgent(claim.id, resolved or MAIN, kind, spawned_by)
+def spawned_agent(result: str) -> str | None:
+    """The agent id a spawning call's result names (``agent_id``: Codex; ``agentId``:
+    Claude Code's background launch); None when it names none."""
+    if "gent" not in result:
+        return None
+    try:
+        value = json.loads(result)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    agent = value.get("agent_id", value.get("agentId"))
+    return _own_id(agent) if isinstance(agent, str) else None

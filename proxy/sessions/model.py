@@ -31,7 +31,16 @@ import msgspec
 from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
 from proxy.images import ImageData
-from proxy.sessions.agents import MAIN_AGENT, Spawn, TurnAgent
+from proxy.sessions.agents import (
+    MAIN_AGENT,
+    NO_SPAWNS,
+    CallKey,
+    Spawn,
+    SpawnCall,
+    SpawnedBy,
+    Spawns,
+    TurnAgent,
+)
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import TurnRouting, export_routing
 
@@ -172,11 +181,14 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
         return self.routing is None or bool(self.routing.missing)
 
 
-def _spawned_by(agent: TurnAgent) -> dict[str, Any] | None:
-    spawned = agent.spawned_by
-    if spawned is None:
-        return None
-    return {"turn": spawned.turn, "tool_call_id": spawned.tool_call_id}
+# A trajectory's kind: the first of these among its turns' (a main chain that ends in a
+# compaction or a side request is still the main agent's).
+_KIND_ORDER = ("main", "subagent", "compaction", "auxiliary")
+
+
+def _trajectory_kind(path: Sequence[TurnNode]) -> str:
+    kinds = {node.agent.kind for node in path}
+    return next((kind for kind in _KIND_ORDER if kind in kinds), path[-1].agent.kind)
 
 
 def node_versions(node: TurnNode) -> list[tuple[int, int, int]]:
@@ -205,15 +217,6 @@ class PromptPlan:
     branch_reason: str
     # The images among context_ids, placed in prompt_ids (the parent's are the parent's).
     images: tuple[PlacedImage, ...] = ()
-
-
-@dataclass(slots=True)
-class SpawnEntry:
-    """An Agent/Task call a turn made, and the sub-agent that took it (None: none yet)."""
-
-    turn: int
-    spawn: Spawn
-    claimed_by: str | None = None
 
 
 @dataclass(slots=True)
@@ -247,10 +250,20 @@ class Session:
     # A context key's latest turn of an agent whose turn with that key is no longer the
     # one in ``by_key`` (another agent's turn has the same key): few, or none.
     by_agent_key: dict[tuple[str, bytes], int] = field(default_factory=dict)
-    # Each agent's first turn's agent record, by agent id.
+    # Each agent's first turn's agent record, and that turn's index, by agent id.
     agents: dict[str, TurnAgent] = field(default_factory=dict)
-    # The Agent/Task calls its turns made, in order.
-    spawns: list[SpawnEntry] = field(default_factory=list)
+    first_turns: dict[str, int] = field(default_factory=dict)
+    # The spawning calls its recorded turns made, in order, and the latest turn that made
+    # a call of each id; the calls of replies still streaming (sent to the agent, not yet
+    # recorded); which agent took each call (its first turn says so, or a result named
+    # it), and which calls sub-agents' first requests in flight hold.
+    calls: list[SpawnCall] = field(default_factory=list)
+    call_turns: dict[str, int] = field(default_factory=dict)
+    streaming: list[SpawnCall] = field(default_factory=list)
+    taken: dict[CallKey, str] = field(default_factory=dict)
+    reserved: dict[CallKey, str] = field(default_factory=dict)
+    # The call each agent was started by, where a spawning call's result named it.
+    links: dict[str, CallKey] = field(default_factory=dict)
     sampled_tokens: int = 0  # tokens the policy sampled in this session
     # The latest turn recorded for each request body hash (retries are found by it).
     by_request: dict[str, int] = field(default_factory=dict)
@@ -362,25 +375,6 @@ class Session:
         """The agent with this id, as its first turn recorded it (None: no turn yet)."""
         return self.agents.get(agent_id)
 
-    def find_spawn(self, text: str, *, claim: str | None) -> tuple[SpawnEntry, bool] | None:
-        """The Agent/Task call whose prompt a new root's first user message holds, and
-        whether no sub-agent took it yet. A root nothing names (``claim`` None) takes only
-        a call not yet answered (its turn not continued); else it is a new root of the
-        sub-agent that took the last such call. A named sub-agent takes the oldest call
-        not taken, answered or not (Claude Code answers a background launch at once)."""
-        matching = [e for e in self.spawns if e.spawn.prompt in text]
-        fresh = [e for e in matching if e.claimed_by is None or e.claimed_by == claim]
-        if claim is None:
-            fresh = [e for e in fresh if self.nodes[e.turn].children == 0]
-        else:
-            fresh.sort(key=lambda e: self.nodes[e.turn].children > 0)  # open calls first
-        if fresh:
-            return fresh[0], True
-        taken = [e for e in matching if e.claimed_by is not None]
-        if claim is None and taken:
-            return taken[-1], False
-        return None
-
     def add_turn(self, node: TurnNode) -> None:
         if node.parent is not None:
             self.nodes[node.parent].children += 1
@@ -395,22 +389,101 @@ class Session:
         if (agent.id, node.key) in self.by_agent_key:
             self.by_agent_key[(agent.id, node.key)] = node.index
         self.by_key[node.key] = node.index
-        self.agents.setdefault(agent.id, agent)
-        self.claim_spawn(agent)
-        self.spawns.extend(SpawnEntry(node.index, spawn) for spawn in agent.spawns)
+        if agent.id not in self.agents:
+            self.agents[agent.id] = agent
+            self.first_turns[agent.id] = node.index
+        if agent.spawns or agent.spawned_by is not None or agent.results:
+            self._record_spawns(node.index, agent)
         if node.meta.request_hash:
             self.by_request[node.meta.request_hash] = node.index
         self.updated_at = time.time()
 
-    def claim_spawn(self, agent: TurnAgent) -> None:
-        """Mark the call that spawned ``agent`` as taken (from the moment its first request
-        is planned: a sub-agent started at the same time takes another call)."""
-        spawned = agent.spawned_by
-        if spawned is None:
-            return
-        for entry in self.spawns:
-            if entry.turn == spawned.turn and entry.spawn.tool_call_id == spawned.tool_call_id:
-                entry.claimed_by = agent.id
+    # ------------------------------------------------------------------ spawns
+
+    def spawns(self) -> Spawns:
+        """Its spawning calls as attribution sees them: the recorded ones (in order), then
+        those of replies still streaming, and which agent took each."""
+        if not self.calls and not self.streaming:
+            return NO_SPAWNS
+        calls = [
+            SpawnCall(c.turn, c.tool_call_id, c.message, c.agent, self._answered(c))
+            for c in self.calls
+        ]
+        calls.extend(self.streaming)
+        return Spawns(calls, {**self.taken, **self.reserved})
+
+    def _answered(self, call: SpawnCall) -> bool:
+        return call.turn is not None and self.nodes[call.turn].children > 0
+
+    def sent_spawns(self, agent: str, spawns: Sequence[Spawn]) -> list[SpawnCall]:
+        """Spawning calls of a reply still streaming, sent to the agent: from now on a
+        sub-agent can take them. Returns the entries, for ``drop_streaming``."""
+        entries = [SpawnCall(None, s.tool_call_id, s.message, agent) for s in spawns]
+        self.streaming.extend(entries)
+        return entries
+
+    def drop_streaming(self, entries: Sequence[SpawnCall]) -> None:
+        """Forget a reply's streaming calls that its turn did not record (it had none)."""
+        if entries:
+            self.streaming = [c for c in self.streaming if all(c is not e for e in entries)]
+
+    def reserve(self, agent: TurnAgent) -> CallKey | None:
+        """A sub-agent's first request was dispatched: its call is taken while it runs."""
+        if agent.spawned_by is None:
+            return None
+        key = self._call_key(agent.spawned_by)
+        self.reserved[key] = agent.id
+        return key
+
+    def unreserve(self, key: CallKey | None, agent: str) -> None:
+        for k in (key, (None, key[1]) if key is not None else None):
+            if k is not None and self.reserved.get(k) == agent:
+                del self.reserved[k]
+
+    def _call_key(self, spawned: SpawnedBy) -> CallKey:
+        """A call's key, its turn found by its id where the reply was still streaming."""
+        if spawned.turn is not None:
+            return (spawned.turn, spawned.tool_call_id)
+        return (self.call_turns.get(spawned.tool_call_id), spawned.tool_call_id)
+
+    def _record_spawns(self, index: int, agent: TurnAgent) -> None:
+        for spawn in agent.spawns:
+            self.calls.append(SpawnCall(index, spawn.tool_call_id, spawn.message, agent.id))
+            self.call_turns[spawn.tool_call_id] = index
+            self.streaming = [
+                c
+                for c in self.streaming
+                if (c.tool_call_id, c.agent) != (spawn.tool_call_id, agent.id)
+            ]
+            # A sub-agent took it while the reply streamed: the call now has its turn.
+            for held in (self.taken, self.reserved):
+                taker = held.pop((None, spawn.tool_call_id), None)
+                if taker is not None:
+                    held[(index, spawn.tool_call_id)] = taker
+        if agent.spawned_by is not None:
+            key = self._call_key(agent.spawned_by)
+            self.taken.setdefault(key, agent.id)
+            self.unreserve(key, agent.id)
+        for result in agent.results:  # the result names the agent: it wins
+            key = self._call_key(SpawnedBy(None, result.tool_call_id))
+            self.taken[key] = result.agent
+            self.links[result.agent] = key
+
+    def spawned_by(self, node: TurnNode) -> dict[str, Any] | None:
+        """The call that started ``node``'s agent, on that agent's first turn: the call
+        whose result named it, else the one its first turn took by content (unless a
+        result named another agent for it)."""
+        agent = node.agent
+        if self.first_turns.get(agent.id) != node.index:
+            return None
+        key = self.links.get(agent.id)
+        if key is None and agent.spawned_by is not None:
+            key = self._call_key(agent.spawned_by)
+            if self.taken.get(key, agent.id) != agent.id:
+                key = None
+        if key is None:
+            return None
+        return {"turn": key[0], "tool_call_id": key[1]}
 
     # ------------------------------------------------------------------ export
 
@@ -449,7 +522,7 @@ class Session:
                     **node.meta.as_dict(),
                     "versions": [[v, start + lo, start + hi] for v, lo, hi in spans],
                     "agent": node.agent.as_dict(),
-                    "spawned_by": _spawned_by(node.agent),
+                    "spawned_by": self.spawned_by(node),
                 }
             )
             if self.options.routed_experts:
@@ -457,7 +530,7 @@ class Session:
         out: dict[str, Any] = {
             # A trajectory is one agent's: a turn continues only its own agent's turns.
             "agent_id": leaf.agent.id,
-            "agent_kind": leaf.agent.kind,
+            "agent_kind": _trajectory_kind(path),
             "prompt_ids": root.context_ids.tolist(),
             "response_ids": response,
             "response_mask": mask,
@@ -515,8 +588,8 @@ class Session:
                     "spawned_by": None,
                     "turns": [],
                 }
-            if agent.spawned_by is not None and entry["spawned_by"] is None:
-                entry["spawned_by"] = _spawned_by(agent)
+            if entry["spawned_by"] is None:
+                entry["spawned_by"] = self.spawned_by(node)
             entry["turns"].append(node.index)
         return list(entries.values())
 

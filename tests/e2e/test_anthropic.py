@@ -22,7 +22,7 @@ from proxy.appkeys import POOL, SERVICE
 from proxy.chat.messages import ChatMessage, ToolCall, extend_key
 from proxy.exceptions import UpstreamError
 from proxy.images import ImageChecker, ImageIntake, ImageLimits
-from proxy.service import TextDelta, TurnEvent, TurnResult, TurnService
+from proxy.turns import TextDelta, TurnEvent, TurnResult, TurnService
 from rollout_relay.embedded import RunningProxy
 from sdk.client import ProxyClient, TrialSession
 from sdk.demo import TOOLS

@@ -34,7 +34,9 @@ from proxy.chat.messages import ChatMessage, ToolCall
 from proxy.exceptions import ImageError, ProxyError, ServiceUnavailableError
 from proxy.ids import new_id
 from proxy.models import ServedModel
-from proxy.service import (
+from proxy.sessions.agents import agent_claim
+from proxy.sessions.model import Session
+from proxy.turns import (
     PreparedTurn,
     ReasoningDelta,
     TextDelta,
@@ -44,8 +46,6 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
-from proxy.sessions.agents import agent_claim
-from proxy.sessions.model import Session
 
 # Renders bigger than this (characters of message text) run in a thread, as turns do.
 _LARGE_RENDER = 200_000

@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
-from proxy.service import PreparedTurn, TurnEvent, TurnRequest, TurnService
 from proxy.sessions.model import Session
+from proxy.turns import PreparedTurn, TurnEvent, TurnRequest, TurnService
 
 IndexedEvent = tuple[int, TurnEvent]
 

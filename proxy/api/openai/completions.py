@@ -26,7 +26,9 @@ from proxy.appkeys import SERVICE, SESSIONS
 from proxy.exceptions import BadRequestError, ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
-from proxy.service import (
+from proxy.sessions.agents import agent_claim
+from proxy.sessions.model import Session
+from proxy.turns import (
     PreparedTurn,
     TextDelta,
     TurnDone,
@@ -35,8 +37,6 @@ from proxy.service import (
     TurnResult,
     TurnService,
 )
-from proxy.sessions.agents import agent_claim
-from proxy.sessions.model import Session
 
 # Text prompts longer than this are tokenized off the event loop.
 _LARGE_PROMPT_CHARS = 200_000

@@ -20,7 +20,8 @@ from proxy.appkeys import IMAGES, MODELS, POOL, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.ids import new_id
 from proxy.sampling import AgentSampling
-from proxy.service import (
+from proxy.sessions.agents import agent_claim
+from proxy.turns import (
     PreparedTurn,
     ReasoningDelta,
     TextDelta,
@@ -30,7 +31,6 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
-from proxy.sessions.agents import agent_claim
 from relay.pool import WorkerPool
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from proxy import ids
 from proxy.chat.messages import ToolCall
 from proxy.exceptions import ProxyError
-from proxy.service import TurnResult
+from proxy.turns import TurnResult
 
 Event = tuple[str, dict[str, Any]]  # (event name, payload)
 

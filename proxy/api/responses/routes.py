@@ -28,7 +28,8 @@ from proxy.api.sse import EventStream, StreamSink
 from proxy.appkeys import IMAGES, SERVICE, SESSIONS
 from proxy.exceptions import ProxyError
 from proxy.sampling import AgentSampling
-from proxy.service import (
+from proxy.sessions.agents import agent_claim
+from proxy.turns import (
     PreparedTurn,
     ReasoningDelta,
     TextDelta,
@@ -37,7 +38,6 @@ from proxy.service import (
     TurnRequest,
     TurnResult,
 )
-from proxy.sessions.agents import agent_claim
 
 
 def _echo(parsed: ResponsesRequest) -> ResponseEcho:

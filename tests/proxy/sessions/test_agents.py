@@ -1,5 +1,6 @@
-"""Which agent made a turn: headers first, a harness's next, then the spawning call's
-prompt; a turn continues only its own agent's chain; all of it stored with the turn."""
+"""What a request's headers say of its agent (the agent's own first, a harness's next),
+the spawning calls a reply made; a turn continues only its own agent's chain; all of it
+stored with the turn. Deciding a turn's agent: tests/proxy/turns/test_attribution.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.chat.messages import ChatMessage, ToolCall
+from proxy.chat.messages import ToolCall
 from proxy.exceptions import BadRequestError
 from proxy.sessions.agents import (
     MAIN_AGENT,
@@ -18,7 +19,6 @@ from proxy.sessions.agents import (
     SpawnedBy,
     TurnAgent,
     agent_claim,
-    attribute,
     spawns_of,
 )
 from proxy.sessions.model import Outcome, Session, TrialId, TurnMeta, TurnNode
@@ -54,10 +54,6 @@ def _add(session: Session, parent: int | None, key: bytes, agent: TurnAgent) -> 
     )
     session.add_turn(node)
     return node
-
-
-def _user(text: str) -> list[ChatMessage]:
-    return [ChatMessage(role="system", content="You are a helper."), ChatMessage("user", text)]
 
 
 # ---------------------------------------------------------------------- headers
@@ -144,57 +140,6 @@ def test_spawn_calls_are_the_agent_and_task_calls_with_a_prompt() -> None:
     assert spawns_of(calls) == (Spawn("c1", "Count the files"),)
 
 
-def test_a_new_root_with_a_pending_calls_prompt_is_that_calls_sub_agent() -> None:
-    """Nothing named: the root whose first user message holds an unanswered Agent call's
-    prompt is a sub-agent spawned by that turn and call; later roots are the main one's."""
-    s = Session(TrialId("t"), "k")
-    _add(s, None, b"m0", TurnAgent(spawns=(Spawn("toolu_1", "Count the files"),)))
-    agent = attribute(s, None, None, _user("Count the files"))
-    assert agent == TurnAgent("toolu_1", "main", "subagent", SpawnedBy(0, "toolu_1"))
-    _add(s, None, b"s0", agent)
-    # Its chain continued: the same agent, without the spawn mark.
-    assert attribute(s, None, 1, []) == TurnAgent("toolu_1", "main", "subagent")
-    # A new root of the same prompt later is that sub-agent again (its chain was rewritten).
-    assert attribute(s, None, None, _user("Count the files")).id == "toolu_1"
-    assert attribute(s, None, None, _user("Something else")) == MAIN_AGENT
-
-
-def test_an_answered_call_spawns_nothing_by_content() -> None:
-    """Once the spawning turn was continued (the call was answered), a root with its
-    prompt is not taken for its sub-agent."""
-    s = Session(TrialId("t"), "k")
-    _add(s, None, b"m0", TurnAgent(spawns=(Spawn("toolu_1", "Count the files"),)))
-    _add(s, 0, b"m1", MAIN_AGENT)
-    assert attribute(s, None, None, _user("Count the files")) == MAIN_AGENT
-
-
-def test_a_named_sub_agent_finds_the_call_that_spawned_it() -> None:
-    """A sub-agent named by headers gets spawned_by from the call with its prompt, the
-    oldest not taken: two calls with one prompt go to two sub-agents in order."""
-    s = Session(TrialId("t"), "k")
-    spawns = (Spawn("c1", "Look at a.py"), Spawn("c2", "Look at a.py"))
-    _add(s, None, b"m0", TurnAgent(spawns=spawns))
-    first = attribute(s, AgentClaim("a1", "main", None), None, _user("Look at a.py"))
-    assert first == TurnAgent("a1", "main", "subagent", SpawnedBy(0, "c1"))
-    _add(s, None, b"a0", first)
-    second = attribute(s, AgentClaim("a2", "main", "subagent"), None, _user("Look at a.py"))
-    assert second.spawned_by == SpawnedBy(0, "c2")
-    _add(s, None, b"b0", second)
-    # Its second root is the same agent, with no second spawn.
-    again = attribute(s, AgentClaim("a1", "main", None), None, _user("Look at a.py"))
-    assert again == TurnAgent("a1", "main", "subagent")
-
-
-def test_a_codex_parent_thread_is_the_main_agent_unless_it_is_a_sub_agent() -> None:
-    s = Session(TrialId("t"), "k")
-    _add(s, None, b"m0", MAIN_AGENT)
-    child = attribute(s, AgentClaim("t1", "t0", "subagent", True), None, _user("go"))
-    assert (child.id, child.parent) == ("t1", "main")
-    _add(s, None, b"t1", child)
-    grandchild = attribute(s, AgentClaim("t2", "t1", "subagent", True), None, _user("go"))
-    assert (grandchild.id, grandchild.parent) == ("t2", "t1")
-
-
 def test_a_named_turn_continues_only_its_own_agents_chain() -> None:
     """Two sub-agents whose turns have the same context key never continue each other:
     each finds its own turn; a turn nothing names finds the latest."""
@@ -259,5 +204,5 @@ async def test_agents_and_outcomes_are_stored_with_the_turns(tmp_path: Path) -> 
     assert [n.agent for n in loaded.nodes] == [n.agent for n in s.nodes]
     assert loaded.outcome is Outcome.BUDGET_EXHAUSTED
     assert loaded.agent_rewards == {"a1": 0.5}
-    assert loaded.spawns[0].claimed_by == "a1"
+    assert loaded.taken == {(0, "c1"): "a1"}
     assert json.dumps(loaded.export()) == json.dumps(s.export())

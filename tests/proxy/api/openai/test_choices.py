@@ -10,7 +10,7 @@ import pytest
 from proxy.api.openai.choices import _interleave, choice_requests
 from proxy.exceptions import UpstreamError
 from proxy.sampling import AgentSampling
-from proxy.service import TextDelta, TurnEvent, TurnRequest
+from proxy.turns import TextDelta, TurnEvent, TurnRequest
 
 
 def _turn(seed: int | None) -> TurnRequest:
