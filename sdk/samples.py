@@ -1,10 +1,11 @@
 """Turning a session's export into training samples.
 
-Policies for a session tree with several branches:
+Policies for a session tree with several branches, applied per agent and segment (a root
+of the tree and the turns under it: see "Agents and segments" below):
 
 * ``all``: one sample per trajectory (root-to-leaf path), each with the trial's reward.
 * ``longest``: only the trajectory with the most sampled tokens.
-* ``last``: only the trajectory that ends with the most recent turn.
+* ``last``: only the trajectory that ends with the agent's most recent turn.
 
 A turn before a fork belongs to several trajectories. ``shared_turns`` decides how often
 its sampled tokens are trained:
@@ -48,15 +49,20 @@ asynchronous trainers bound by default) is stale. ``stale`` says what happens th
 Without ``current_version`` nothing is stale (a synchronous trainer samples each batch
 with the weights it trains).
 
-Agents: every trajectory is one agent's (``agent_id``, ``agent_kind``: the trial's main
-agent ``main``, or a sub-agent it spawned; the kinds are ``main``, ``subagent``,
-``compaction`` and ``auxiliary``), and every sample carries them. ``agents="all"`` (default)
-keeps every agent's, ``"main"`` the main agent's only (its compaction and side requests
-included, unless ``kinds`` leaves them out); ``kinds`` keeps the given kinds only
-(``TRAINED_KINDS`` leaves out auxiliary requests: titles, summaries asked on the side).
-The branch policy applies per agent: ``longest`` keeps each agent's longest trajectory.
-A sample's reward is its agent's in ``agent_rewards`` where the trainer gave one, else
-the trial's.
+Agents and segments (``sdk.segments`` says it exactly): ``agents="all"`` (default) keeps
+every agent's turns, ``"main"`` the main agent's only (its compaction and side requests
+included, unless ``kinds`` leaves them out); ``kinds`` keeps turns of the given kinds
+(``TRAINED_KINDS`` leaves out auxiliary requests: titles, summaries asked on the side). It
+decides per turn: a turn left out is context (mask 0) where a kept turn follows it, and
+cut where it trails; a trajectory with no kept turn makes no sample. A sample is its kept
+turns' agent's (``agent_id``, and ``agent_kind``: ``main`` when it holds a main turn). A
+root of the tree and the turns under it are one segment of an agent's episode
+(``segment``: the root turn's index; the main agent starts a new one after a compaction):
+the branch policy keeps one trajectory per agent and segment, chosen by the turns of the
+agent's own kind (``last`` keeps the chain that ends in the agent's last turn, never a
+compaction or title branch), so every segment trains once. A sample's reward is its
+agent's in ``agent_rewards`` where the trainer gave one, else the trial's (every segment
+gets it). ``main_sample`` is the main agent's sample that ends in its answer.
 
 Outcomes: the export's ``outcome`` says how the episode ended (``completed``,
 ``agent_error``, ``infra_error``, ``timeout``, ``budget_exhausted``; None from a proxy
@@ -100,20 +106,27 @@ dropped.
 
 from __future__ import annotations
 
-import base64
 import enum
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-
-class BranchPolicy(enum.StrEnum):
-    ALL = "all"
-    LONGEST = "longest"
-    LAST = "last"
+from sdk.sample_routing import ROUTING_DTYPES as ROUTING_DTYPES
+from sdk.sample_routing import ExportRouting as ExportRouting
+from sdk.sample_routing import encode_routing as encode_routing
+from sdk.sample_routing import export_routing as export_routing
+from sdk.sample_routing import routing_missing as routing_missing
+from sdk.segments import AGENT_KINDS as AGENT_KINDS
+from sdk.segments import MAIN_AGENT as MAIN_AGENT
+from sdk.segments import TRAINED_KINDS as TRAINED_KINDS
+from sdk.segments import BranchPolicy as BranchPolicy
+from sdk.segments import Keep, Kept, choose, distinct, keep_turns, keeper
+from sdk.segments import main_sample as main_sample
+from sdk.segments import segments as segments
+from sdk.segments import untrained_segments as untrained_segments
 
 
 class SharedTurns(enum.StrEnum):
@@ -141,10 +154,6 @@ class InfraErrors(enum.StrEnum):
     MASK = "mask"
 
 
-MAIN_AGENT = "main"
-AGENT_KINDS = frozenset({"main", "subagent", "compaction", "auxiliary"})
-# Every kind but the side requests an agent makes (titles, summaries asked for aside).
-TRAINED_KINDS = frozenset({"main", "subagent", "compaction"})
 # Outcomes that are the policy's doing, and may get ``failure_reward``.
 POLICY_FAILURES = frozenset({"agent_error", "timeout", "budget_exhausted"})
 
@@ -203,82 +212,6 @@ def export_images(traj: dict[str, Any]) -> list[SampleImage]:
     return images
 
 
-# The dtypes an export's routing may come in (at most 256 experts: uint8).
-ROUTING_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
-
-
-@dataclass(slots=True, frozen=True)
-class ExportRouting:
-    """An exported trajectory's routing: ``rows`` ``[positions, layers, top_k]``, row ``i``
-    for position ``i`` of its ``prompt_ids + response_ids``; ``missing``: half-open ranges
-    of rows the engine could not give (zeros there)."""
-
-    rows: np.ndarray[Any, Any]
-    missing: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def first_missing(self) -> int | None:
-        return min((start for start, _ in self.missing), default=None)
-
-
-def encode_routing(
-    rows: np.ndarray[Any, Any], missing: Sequence[tuple[int, int]] = ()
-) -> dict[str, Any]:
-    """The export's ``routed_experts`` entry for ``rows`` (uint8 or uint16)."""
-    name = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "uint16"}.get(rows.dtype)
-    if name is None or rows.ndim != 3:
-        raise ValueError(
-            f"routing rows must be [rows, layers, top_k] uint8/uint16, not {rows.dtype}"
-        )
-    data = np.ascontiguousarray(rows, dtype=ROUTING_DTYPES[name]).tobytes()
-    return {
-        "dtype": name,
-        "shape": list(rows.shape),
-        "data": base64.b64encode(data).decode("ascii"),
-        "missing": [[int(a), int(b)] for a, b in missing],
-    }
-
-
-def export_routing(traj: dict[str, Any]) -> ExportRouting | None:
-    """The routing of an exported trajectory (None: it has none), checked against its ids."""
-    entry = traj.get("routed_experts")
-    if entry is None:
-        return None
-    if isinstance(entry, ExportRouting):
-        return entry
-    dtype = ROUTING_DTYPES.get(str(entry.get("dtype")))
-    if dtype is None:
-        raise ValueError(f"routed_experts: unknown dtype {entry.get('dtype')!r}")
-    shape = tuple(int(x) for x in entry["shape"])
-    expected = len(traj["prompt_ids"]) + len(traj["response_ids"]) - 1
-    if len(shape) != 3 or shape[0] != max(expected, 0):
-        raise ValueError(
-            f"routed_experts of shape {list(shape)} for {expected + 1} ids: expected "
-            f"[{expected}, layers, top_k] (one row per id but the last)"
-        )
-    raw = base64.b64decode(entry["data"], validate=True)
-    if len(raw) != int(np.prod(shape)) * dtype.itemsize:
-        raise ValueError(f"routed_experts: {len(raw)} bytes for shape {list(shape)} {dtype}")
-    rows = np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-    missing: list[tuple[int, int]] = []
-    for pair in entry.get("missing") or []:
-        start, end = (int(x) for x in pair)
-        if not 0 <= start < end <= shape[0]:
-            raise ValueError(f"routed_experts: missing range {pair} outside {shape[0]} rows")
-        missing.append((start, end))
-    return ExportRouting(rows.astype(dtype.newbyteorder("="), copy=False), tuple(sorted(missing)))
-
-
-def routing_missing(turn: dict[str, Any], prompt_length: int, routing: ExportRouting) -> bool:
-    """Whether ``turn`` samples a token after a row its engine could not give (or the proxy
-    says so): its logprobs were computed with routing that cannot be replayed."""
-    if turn.get("routing_missing"):
-        return True
-    first = routing.first_missing
-    # The token at position p is computed from the rows of positions before p.
-    return first is not None and prompt_length + int(turn["response_end"]) - 1 > first
-
-
 @dataclass(slots=True)
 class Sample:
     trial_id: str
@@ -300,11 +233,16 @@ class Sample:
     # R3: the experts each position of prompt_ids + response_ids but the last was routed
     # to at rollout, [len(ids) - 1, layers, top_k] (None: the session recorded no routing).
     routed_experts: np.ndarray[Any, Any] | None = None
-    # The agent whose trajectory it is ("main": the trial's main agent) and its kind.
+    # The agent of its trained turns ("main": the trial's main agent) and their kind
+    # ("main" when one is a main turn; see sdk.segments).
     agent_id: str = MAIN_AGENT
     agent_kind: str = "main"
     # How the episode ended (None: the export does not say).
     outcome: str | None = None
+    # The segment of the agent's episode it belongs to: the index of its root turn. An
+    # agent that starts over as a new root (the main agent after a compaction) has one
+    # segment per root, each trained once with the episode's reward (see sdk.segments).
+    segment: int = 0
 
     @property
     def sampled_tokens(self) -> int:
@@ -360,33 +298,17 @@ def build_samples(
     failure_reward: float | None = None,
 ) -> list[Sample]:
     agents, infra_error = AgentSelection(agents), InfraErrors(infra_error)
-    unknown = set(kinds or ()) - AGENT_KINDS
-    if unknown:
-        raise ValueError(f"unknown agent kinds {sorted(unknown)}; kinds: {sorted(AGENT_KINDS)}")
+    keep = keeper(agents is AgentSelection.MAIN, kinds)
     outcome = export.get("outcome")
     if outcome == "infra_error" and infra_error is InfraErrors.DROP:
         return []
-    origin, trajectories = _received(export.get("trajectories", []), keep_undelivered)
-    if not trajectories:
-        return []
-    candidates = [
-        (i, traj)
-        for i, traj in enumerate(trajectories)
-        if (agents is AgentSelection.ALL or _agent(traj)[0] == MAIN_AGENT)
-        and (kinds is None or _agent(traj)[1] in kinds)
-    ]
-    chosen = [pick for group in _by_agent(candidates) for pick in _chosen(group, policy)]
-    chosen.sort(key=lambda item: item[0])
-    reward = scalar_reward(export.get("reward"), reward_key)
-    if reward is None and outcome in POLICY_FAILURES:
-        reward = failure_reward
-    agent_rewards = export.get("agent_rewards") or {}
+    kept = _received(export.get("trajectories", []), keep_undelivered, keep)
+    oldest = None if current_version is None else current_version - max_staleness
     drafts: list[_Draft] = []
-    for branch, traj in chosen:
-        draft = _draft(branch, traj, max_prompt_tokens, max_response_tokens, overlong_prompt)
+    for path in choose(kept, BranchPolicy(policy)):
+        draft = _draft(path, max_prompt_tokens, max_response_tokens, overlong_prompt)
         if draft is None:
             continue
-        oldest = None if current_version is None else current_version - max_staleness
         if oldest is not None and stale is StaleTokens.DROP and draft.stale_at(oldest):
             continue
         drafts.append(draft)
@@ -397,84 +319,27 @@ def build_samples(
         if shared_turns is SharedTurns.ONCE
         else None
     )
+    reward = scalar_reward(export.get("reward"), reward_key)
+    if reward is None and outcome in POLICY_FAILURES:
+        reward = failure_reward
+    rewards = {
+        agent: scalar_reward(value, reward_key)
+        for agent, value in (export.get("agent_rewards") or {}).items()
+    }
     samples: list[Sample] = []
     for draft in drafts:
-        traj, mask = draft.traj, draft.mask
         if owners is not None:
-            for turn in traj["turns"]:
-                if owners.get(turn["turn"], draft.branch) != draft.branch:
-                    start, end = turn["response_start"], turn["response_end"]
-                    mask[start:end] = [0] * len(mask[start:end])
-        stale_tokens = 0
-        if current_version is not None:
-            stale_at = draft.stale_at(current_version - max_staleness)
-            for i in stale_at:
-                mask[i] = 0
-            stale_tokens = len(stale_at)
-        agent_id, agent_kind = _agent(traj)
-        sample_reward = reward
-        if agent_id in agent_rewards:
-            sample_reward = scalar_reward(agent_rewards[agent_id], reward_key)
+            draft.disown(owners)
+        stale_tokens = draft.mask_stale(oldest)
+        sample = draft.sample(str(export.get("trial_id", "")), rewards.get(draft.agent_id, reward))
+        sample.stale_tokens = stale_tokens
+        sample.outcome = None if outcome is None else str(outcome)
         if outcome == "infra_error":  # kept to fill a batch, never trained or rewarded
-            mask = [0] * len(mask)
-            sample_reward = None
-        samples.append(
-            Sample(
-                trial_id=str(export.get("trial_id", "")),
-                prompt_ids=draft.prompt,
-                response_ids=draft.response,
-                response_mask=mask,
-                response_logprobs=draft.logprobs,
-                reward=sample_reward,
-                num_turns=len(traj["turns"]),
-                branch=origin[draft.branch],
-                prompt_truncated=draft.prompt_truncated,
-                response_truncated=draft.response_truncated,
-                turns=list(traj["turns"]),
-                response_versions=[
-                    v if m else -1 for v, m in zip(draft.versions, mask, strict=True)
-                ],
-                stale_tokens=stale_tokens,
-                images=draft.images,
-                routed_experts=draft.routed_experts,
-                agent_id=agent_id,
-                agent_kind=agent_kind,
-                outcome=None if outcome is None else str(outcome),
-            )
-        )
+            sample.response_mask = [0] * len(sample.response_mask)
+            sample.response_versions = [-1] * len(sample.response_versions)
+            sample.reward = None
+        samples.append(sample)
     return samples
-
-
-def main_sample(samples: Sequence[Sample]) -> Sample:
-    """The sample a trainer that takes one completion per prompt trains: the main agent's
-    (its first), else the first."""
-    return next((s for s in samples if s.agent_id == MAIN_AGENT), samples[0])
-
-
-def _agent(traj: dict[str, Any]) -> tuple[str, str]:
-    """A trajectory's agent id and kind (an export from before agents: the main agent)."""
-    return str(traj.get("agent_id", MAIN_AGENT)), str(traj.get("agent_kind", "main"))
-
-
-def _by_agent(
-    candidates: list[tuple[int, dict[str, Any]]],
-) -> list[list[tuple[int, dict[str, Any]]]]:
-    """The trajectories grouped by agent, in order of each agent's first."""
-    groups: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for item in candidates:
-        groups.setdefault(_agent(item[1])[0], []).append(item)
-    return list(groups.values())
-
-
-def _chosen(
-    candidates: list[tuple[int, dict[str, Any]]], policy: BranchPolicy
-) -> list[tuple[int, dict[str, Any]]]:
-    """The trajectories the branch policy keeps, with their index among the received."""
-    if policy is BranchPolicy.LONGEST:
-        return [max(candidates, key=lambda it: sum(it[1]["response_mask"]))]
-    if policy is BranchPolicy.LAST:
-        return [max(candidates, key=lambda it: max(t["turn"] for t in it[1]["turns"]))]
-    return candidates
 
 
 @dataclass(slots=True)
@@ -482,8 +347,7 @@ class _Draft:
     """One kept trajectory cut to the length limits, before shared turns and staleness
     are masked."""
 
-    branch: int
-    traj: dict[str, Any]
+    source: Kept
     prompt: list[int]
     response: list[int]
     mask: list[int]
@@ -494,6 +358,18 @@ class _Draft:
     images: list[SampleImage] = field(default_factory=list)
     routed_experts: np.ndarray[Any, Any] | None = None
 
+    @property
+    def branch(self) -> int:
+        return self.source.index
+
+    @property
+    def traj(self) -> dict[str, Any]:
+        return self.source.traj
+
+    @property
+    def agent_id(self) -> str:
+        return self.source.agent_id
+
     def stale_at(self, oldest: int) -> list[int]:
         """Positions of the trained tokens sampled by a version older than ``oldest``."""
         return [
@@ -502,15 +378,53 @@ class _Draft:
             if m and v < oldest
         ]
 
+    def disown(self, owners: dict[int, int]) -> None:
+        """Mask the turns another trajectory trains (``owners``: turn -> branch)."""
+        for turn in self.traj["turns"]:
+            if owners.get(turn["turn"], self.branch) != self.branch:
+                start, end = turn["response_start"], turn["response_end"]
+                self.mask[start:end] = [0] * len(self.mask[start:end])
+
+    def mask_stale(self, oldest: int | None) -> int:
+        """Mask the tokens older than ``oldest`` (None: none is stale); how many."""
+        stale = [] if oldest is None else self.stale_at(oldest)
+        for i in stale:
+            self.mask[i] = 0
+        return len(stale)
+
+    def sample(self, trial_id: str, reward: float | None) -> Sample:
+        source = self.source
+        return Sample(
+            trial_id=trial_id,
+            prompt_ids=self.prompt,
+            response_ids=self.response,
+            response_mask=self.mask,
+            response_logprobs=self.logprobs,
+            reward=reward,
+            num_turns=len(self.traj["turns"]),
+            branch=self.branch,
+            prompt_truncated=self.prompt_truncated,
+            response_truncated=self.response_truncated,
+            turns=list(self.traj["turns"]),
+            response_versions=[
+                v if m else -1 for v, m in zip(self.versions, self.mask, strict=True)
+            ],
+            images=self.images,
+            routed_experts=self.routed_experts,
+            agent_id=source.agent_id,
+            agent_kind=source.agent_kind,
+            segment=source.segment,
+        )
+
 
 def _draft(
-    branch: int,
-    traj: dict[str, Any],
+    source: Kept,
     max_prompt_tokens: int | None,
     max_response_tokens: int | None,
     overlong_prompt: OverlongPrompt,
 ) -> _Draft | None:
     """The trajectory within the length limits; None when its prompt drops it."""
+    traj = source.traj
     prompt = list(traj["prompt_ids"])
     response = list(traj["response_ids"])
     mask = list(traj["response_mask"])
@@ -558,8 +472,7 @@ def _draft(
         # The rows of this sample's ids (shifted with a cut prompt), none for its last id.
         rows = routing.rows[cut : cut + max(len(prompt) + len(response) - 1, 0)]
     return _Draft(
-        branch,
-        traj,
+        source,
         prompt,
         response,
         mask,
@@ -611,15 +524,14 @@ def _owners(trajectories: list[tuple[int, dict[str, Any]]]) -> dict[int, int]:
     return owners
 
 
-def _received(
-    trajectories: list[dict[str, Any]], keep_undelivered: bool = False
-) -> tuple[list[int], list[dict[str, Any]]]:
+def _received(trajectories: list[dict[str, Any]], keep_undelivered: bool, keep: Keep) -> list[Kept]:
     """The trajectories cut to what the agent received and to what their routing can
-    replay: each ends before its first turn that was not delivered or was superseded by a
-    retry (unless a later turn continues it; not checked with ``keep_undelivered``), or
-    that samples after a missing routing row; one left empty, or equal to the start of
-    another, is dropped. Returns each kept one's index in the export with it (its routing
-    decoded). Exports without the fields count as delivered."""
+    replay, then to their kept turns (``sdk.segments.keep_turns``): each ends before its
+    first turn that was not delivered or was superseded by a retry (unless a later turn
+    continues it; not checked with ``keep_undelivered``), or that samples after a missing
+    routing row, and after its last kept turn; one left empty, or equal to the start of
+    another, is dropped. Each keeps its index in the export (its routing decoded). Exports
+    without the fields count as delivered."""
     turns = [turn for traj in trajectories for turn in traj["turns"]]
     continued = {t["parent"] for t in turns if t.get("parent") is not None}
     superseded = {t["retry_of"] for t in turns if t.get("retry_of") is not None}
@@ -628,7 +540,7 @@ def _received(
         index = turn["turn"]
         return index in continued or (bool(turn.get("delivered", True)) and index not in superseded)
 
-    cut: list[tuple[int, dict[str, Any]]] = []
+    cut: list[Kept] = []
     for index, traj in enumerate(trajectories):
         routing = export_routing(traj)
         if routing is not None:  # decoded once, checked against the whole trajectory
@@ -639,27 +551,7 @@ def _received(
             if routing is not None and routing_missing(path[n], len(traj["prompt_ids"]), routing):
                 break
             n += 1
-        if n == len(path):
-            cut.append((index, traj))
-        elif n > 0:
-            end = path[n - 1]["response_end"]
-            length = len(traj["response_ids"])
-            kept = {
-                key: value[:end]
-                if key.startswith("response_") and isinstance(value, list) and len(value) == length
-                else value
-                for key, value in traj.items()
-            }
-            kept["turns"] = path[:n]
-            cut.append((index, kept))
-    paths = [tuple(t["turn"] for t in traj["turns"]) for _, traj in cut]
-    out: list[tuple[int, dict[str, Any]]] = []
-    for i, item in enumerate(cut):
-        mine = paths[i]
-        inside = any(
-            j != i and other[: len(mine)] == mine and (len(other) > len(mine) or j < i)
-            for j, other in enumerate(paths)
-        )
-        if not inside:
-            out.append(item)
-    return [i for i, _ in out], [traj for _, traj in out]
+        kept = keep_turns(index, traj, n, keep)
+        if kept is not None:
+            cut.append(kept)
+    return distinct(cut)

@@ -17,6 +17,14 @@ agent callable through ``sdk.taskserver.inprocess``) against the proxy:
   ``relay_agent`` and ``relay_agent_kind``: the agent whose trajectory it is (TRL takes
   one completion per prompt: the main agent's where the trial has sub-agents).
 
+One completion per prompt: GRPOTrainer scores and groups exactly ``len(prompts)``
+completions, so each episode gives ``sdk.samples.main_sample``'s, the main agent's chain
+that ends in its answer. An episode the main agent started over in (a new root after a
+compaction: several segments, see ``sdk.segments``) trains its last segment only; the
+earlier ones are not trained, counted in ``RolloutBatch.untrained_segments`` and logged as
+a warning. Sub-agents' samples are not trained either. Train every segment through a
+trainer that takes several samples per episode (``build_samples`` gives one per segment).
+
 The prompt is a task reference: ``task_of(prompt)`` gives the task handed to the agent
 loop (by default the prompt itself, a task directory). TRL passes nothing but the prompts
 to a ``rollout_func``, so the dataset's ``prompt`` column names the task.
@@ -104,7 +112,7 @@ from sdk.agent_loop import RemoteAgentLoop, RolloutResult
 from sdk.client import ProxyClient
 from sdk.exceptions import RoutingReplayError, VisionRolloutError
 from sdk.routing import BatchReplay
-from sdk.samples import BranchPolicy, Sample, main_sample
+from sdk.samples import BranchPolicy, Sample, main_sample, untrained_segments
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +272,9 @@ class RolloutBatch:
     # The same with the routers forced to the recorded experts (R3; None: no routing).
     gap_r3: float | None = None
     gap_r3_mean: float | None = None
+    # Segments of the main agent's episodes left untrained (one completion per prompt:
+    # the last segment of an episode that started over after a compaction trains).
+    untrained_segments: int = 0
 
     @property
     def rewards(self) -> list[float | None]:
@@ -443,7 +454,17 @@ class RelayRollout:
             samples=samples,
             seconds=time.monotonic() - started,
             push=push,
+            untrained_segments=sum(
+                untrained_segments(r.samples, s) for r, s in zip(results, samples, strict=True)
+            ),
         )
+        if batch.untrained_segments:
+            log.warning(
+                "%d earlier segment(s) of the agents' episodes (before a compaction) are not "
+                "trained: TRL takes one completion per prompt, the segment that ends in the "
+                "agent's answer",
+                batch.untrained_segments,
+            )
         replay = self.agent_loop.config.routed_experts
         if replay or self.measure_gap:
             model = trainer.accelerator.unwrap_model(trainer.model)

@@ -36,7 +36,12 @@ returns verl's ``AgentLoopOutput`` for ONE trajectory of the session:
   rows (the empty output of ``on_failure: empty`` zeros, shaped from the model).
 
 verl expects one output per sample, so the branch policy is ``longest`` (default) or
-``last`` (see ``sdk.samples``).
+``last`` (see ``sdk.samples``). verl (0.9) takes exactly one ``AgentLoopOutput`` per row,
+so the loop returns ``sdk.samples.main_sample``'s: the main agent's chain that ends in its
+answer. An episode the main agent started over in (a new root after a compaction: several
+segments, see ``sdk.segments``) trains its last segment only; ``extra_fields["segment"]``
+is its root turn and ``extra_fields["untrained_segments"]`` counts the earlier segments
+left out.
 
 Configuration comes from verl's config, never from the environment: the entry of the
 agent-loop YAML (``actor_rollout_ref.rollout.agent.agent_loop_config_path``) may carry the
@@ -107,6 +112,7 @@ from sdk.samples import (
     Sample,
     StaleTokens,
     main_sample,
+    untrained_segments,
 )
 from sdk.taskserver.base import TaskServer
 
@@ -313,6 +319,9 @@ def to_output(sample: Sample, result: RolloutResult, processor: Any = None) -> A
         "agent_id": sample.agent_id,
         "agent_kind": sample.agent_kind,
         "outcome": sample.outcome,
+        # One output per row: the segment it trains, and the agent's segments it leaves.
+        "segment": sample.segment,
+        "untrained_segments": untrained_segments(result.samples, sample),
     }
     # Only set when there are images: verl's as_dict leaves unset fields out.
     images = multi_modal_data(sample, processor)

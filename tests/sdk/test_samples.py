@@ -55,9 +55,15 @@ def test_all_policy_gives_one_sample_per_trajectory() -> None:
 
 
 def test_longest_and_last_policies() -> None:
-    """LONGEST keeps the most sampled tokens; LAST keeps the branch with the newest turn."""
-    assert [s.branch for s in build_samples(EXPORT, policy=BranchPolicy.LONGEST)] == [1]
-    assert [s.branch for s in build_samples(EXPORT, policy=BranchPolicy.LAST)] == [2]
+    """Per segment (root): LONGEST keeps the most sampled tokens (the first on a tie);
+    LAST keeps the branch with the newest turn. Root 2 (trajectory 1) is a segment of its
+    own, kept by both."""
+    longest = build_samples(EXPORT, policy=BranchPolicy.LONGEST)
+    assert [(s.segment, s.branch) for s in longest] == [(0, 0), (2, 1)]
+    assert [(s.segment, s.branch) for s in build_samples(EXPORT, policy=BranchPolicy.LAST)] == [
+        (2, 1),
+        (0, 2),
+    ]
 
 
 def test_reward_key_selects_a_component() -> None:
@@ -91,14 +97,14 @@ def test_a_shared_turn_is_trained_once_by_default() -> None:
 
 def test_response_truncation_is_explicit() -> None:
     """A response over the limit is cut at its end and flagged; others are not."""
-    (long,) = build_samples(EXPORT, policy=BranchPolicy.LONGEST, max_response_tokens=2)
+    long = build_samples(EXPORT, policy=BranchPolicy.LONGEST, max_response_tokens=2)[1]
     assert long.response_ids == [8, 7]
     assert long.response_mask == [1, 1]
     assert len(long.response_logprobs) == 2
     assert long.response_truncated
-    (short,) = build_samples(EXPORT, policy=BranchPolicy.LAST, max_response_tokens=10)
-    assert not short.response_truncated
-    assert not short.prompt_truncated
+    for short in build_samples(EXPORT, policy=BranchPolicy.LAST, max_response_tokens=10):
+        assert not short.response_truncated
+        assert not short.prompt_truncated
 
 
 def test_an_overlong_prompt_is_never_cut_and_trained() -> None:
@@ -295,12 +301,13 @@ def test_keep_undelivered_trains_the_export_as_it_is() -> None:
 
 
 def test_the_last_branch_trains_the_turns_it_shares_with_dropped_ones() -> None:
-    """``last`` keeps the trajectory with the newest turn; turn 0, which it shares with a
-    dropped branch, is trained in it (the dropped branch trains nothing)."""
-    (last,) = build_samples(EXPORT, policy=BranchPolicy.LAST)
+    """``last`` keeps the trajectory with the newest turn of root 0's segment; turn 0,
+    which it shares with a dropped branch, is trained in it (the dropped branch trains
+    nothing). Root 2's segment is kept whole by both policies."""
+    _, last = build_samples(EXPORT, policy=BranchPolicy.LAST)
     assert last.branch == 2
     assert last.response_mask == [1, 0, 1]
-    (longest,) = build_samples(EXPORT, policy=BranchPolicy.LONGEST)
+    _, longest = build_samples(EXPORT, policy=BranchPolicy.LONGEST)
     assert longest.response_mask == [1, 1, 1, 0, 1]
 
 
@@ -379,8 +386,8 @@ def test_every_kept_sampled_token_is_trained_exactly_once(
         stale=stale,
         max_response_tokens=limit,
     )
-    if policy is not BranchPolicy.ALL:
-        assert len(samples) <= 1
+    if policy is not BranchPolicy.ALL:  # one per segment (root)
+        assert len({s.segment for s in samples}) == len(samples)
     trained: Counter[int] = Counter()
     trainable: set[int] = set()
     for sample in samples:
