@@ -251,8 +251,11 @@ def main_sample(samples: Sequence[Sample]) -> Sample:
 
 
 def segments(samples: Sequence[Sample], agent_id: str = MAIN_AGENT) -> list[int]:
-    """The segments (root turn indices) of ``agent_id``'s samples, in order."""
-    return sorted({s.segment for s in samples if s.agent_id == agent_id})
+    """The segments (root turn indices) of ``agent_id``'s samples that train its own
+    kind of turn, in order: a side request on a root of its own (a title) or a lone
+    compaction request is no piece of the episode."""
+    own = "main" if agent_id == MAIN_AGENT else "subagent"
+    return sorted({s.segment for s in samples if s.agent_id == agent_id and s.agent_kind == own})
 
 
 def untrained_segments(samples: Sequence[Sample], chosen: Sample) -> int:

@@ -178,7 +178,7 @@ class SpawnCall:
 @dataclass(frozen=True, slots=True)
 class Spawns:
     """A session's spawning calls as attribution sees them: in the order they were made,
-    and which agent took each (a recorded first turn, a dispatched one, a result that
+    and which agent took each (a recorded first turn, one in flight, a result that
     named the agent)."""
 
     calls: Sequence[SpawnCall] = ()
@@ -257,8 +257,9 @@ def _codex_claim(headers: Mapping[str, str]) -> AgentClaim | None:
     thread = _own_id(headers.get(CODEX_THREAD_ID))
     metadata = _codex_metadata(headers)
     parent = _own_id(headers.get(CODEX_PARENT_THREAD_ID))
-    if parent is None and metadata.get("thread_source") == "subagent":
-        parent = _own_id(_text(metadata.get("parent_thread_id")))
+    if parent is None and _text(metadata.get("thread_source")) == "subagent":
+        value = metadata.get("parent_thread_id")
+        parent = _own_id(value) if isinstance(value, str) else None
     source = headers.get(CODEX_SUBAGENT, "").strip().lower()
     kind = _CODEX_SOURCES.get(source)
     if _text(metadata.get("request_kind")) == "compaction":
@@ -279,7 +280,7 @@ def _codex_metadata(headers: Mapping[str, str]) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # bad JSON, or nested past the parser's depth
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -332,7 +333,7 @@ def spawn_message(call: ToolCall) -> str | None:
         return None
     try:
         value = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None
@@ -364,7 +365,7 @@ def spawned_agent(result: str) -> str | None:
         return None
     try:
         value = json.loads(result)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None

@@ -428,7 +428,7 @@ class Session:
             self.streaming = [c for c in self.streaming if all(c is not e for e in entries)]
 
     def reserve(self, agent: TurnAgent) -> CallKey | None:
-        """A sub-agent's first request was dispatched: its call is taken while it runs."""
+        """A sub-agent's first request was planned: its call is held while it runs."""
         if agent.spawned_by is None:
             return None
         key = self._call_key(agent.spawned_by)
@@ -436,9 +436,12 @@ class Session:
         return key
 
     def unreserve(self, key: CallKey | None, agent: str) -> None:
-        for k in (key, (None, key[1]) if key is not None else None):
-            if k is not None and self.reserved.get(k) == agent:
-                del self.reserved[k]
+        """The request that held ``key`` ended: the hold goes (under whichever turn the
+        call has by now: its reply may have been recorded meanwhile)."""
+        if key is None:
+            return
+        for held in [k for k, a in self.reserved.items() if k[1] == key[1] and a == agent]:
+            del self.reserved[held]
 
     def _call_key(self, spawned: SpawnedBy) -> CallKey:
         """A call's key, its turn found by its id where the reply was still streaming."""
@@ -456,10 +459,14 @@ class Session:
                 if (c.tool_call_id, c.agent) != (spawn.tool_call_id, agent.id)
             ]
             # A sub-agent took it while the reply streamed: the call now has its turn.
+            streamed: CallKey = (None, spawn.tool_call_id)
             for held in (self.taken, self.reserved):
-                taker = held.pop((None, spawn.tool_call_id), None)
+                taker = held.pop(streamed, None)
                 if taker is not None:
                     held[(index, spawn.tool_call_id)] = taker
+            for agent_id, linked in self.links.items():
+                if linked == streamed:
+                    self.links[agent_id] = (index, spawn.tool_call_id)
         if agent.spawned_by is not None:
             key = self._call_key(agent.spawned_by)
             self.taken.setdefault(key, agent.id)

@@ -31,7 +31,7 @@ class Live:
 
 @dataclass(slots=True)
 class PreparedTurn:
-    """A turn that passed validation and was dispatched to a worker, or a retry that is
+    """A turn that was planned and dispatched to a worker, or a retry that is
     answered with a recorded reply (``replay``; no call then)."""
 
     session: Session

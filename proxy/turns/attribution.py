@@ -6,8 +6,8 @@ The rules, in order:
 1. **The kind is the turn's own**: what the agent's headers say (Claude Code's request
    class, Codex's sub-agent source and turn metadata, a harness's kind), else what the
    request is: Claude Code's title request (no tools, a system prompt with its title
-   instruction) is ``auxiliary``, a conversation closed by a summary instruction is
-   ``compaction``; else the agent's own kind (``main`` for the main agent, ``subagent``).
+   instruction) is ``auxiliary``; a request with tools whose last user message opens with
+   Claude Code's summary instruction is ``compaction``; else the agent's own kind (``main`` for the main agent, ``subagent``).
 2. **A turn that continues another is its agent's**: the turn it continues was found
    among its own agent's turns (``Session.find_continuation``).
 3. **A new root named by headers** is that agent. A sub-agent's first turn takes a call
@@ -24,7 +24,8 @@ The rules, in order:
    main agent.
 
 A call is known from the moment the agent is sent it (a streamed reply's calls before the
-reply is recorded), taken from the moment a sub-agent's first request is dispatched; a
+reply is recorded), held by a sub-agent's first request from its plan until its turn is
+recorded (then taken for good) or it is refused or ends without a turn (then let go): a
 refused request takes nothing. Everything else is read from the recorded turns, so a
 restarted proxy decides the same.
 """
@@ -55,12 +56,12 @@ TITLE_INSTRUCTIONS = (
     "Generate a concise, sentence-case title",
     "You are naming a coding session so the user can pick it out of a long list",
 )
-# What closes a compaction request: Claude Code's summary instruction (/compact and the
-# automatic one); Codex sends its own compaction with its turn metadata.
-COMPACTION_INSTRUCTIONS = (
-    "Your task is to create a detailed summary of the conversation so far",
-    "create a detailed summary of the conversation",
-)
+# What Claude Code's compaction request (/compact and the automatic one) says in the text
+# block it adds to the conversation's last user message, in 2.1.197 and 2.1.332 alike.
+# Codex sends its compaction with its turn metadata.
+COMPACTION_INSTRUCTION = "Your task is to create a detailed summary of the conversation so far"
+# How far into a system prompt or a last message these are looked for (they open them).
+_LOOK = 4096
 # Blocks an agent puts around the message it was given: not part of that message.
 _FRAMING = re.compile(
     r"<(system-reminder|environment_context|user_instructions)>.*?</\1>", re.DOTALL
@@ -89,15 +90,14 @@ def request_view(
 
 
 def _content_kind(messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> str | None:
-    first = messages[0] if messages else None
-    title = first is not None and first.role == "system" and not tools
-    if title and first is not None and any(m in first.content for m in TITLE_INSTRUCTIONS):
-        return "auxiliary"
-    last = messages[-1] if messages else None
-    if last is not None and last.role == "user" and tools:
-        text = last.content
-        if any(marker in text for marker in COMPACTION_INSTRUCTIONS):
-            return "compaction"
+    if not messages:
+        return None
+    first, last = messages[0], messages[-1]
+    if not tools and first.role == "system":
+        if any(first.content.find(m, 0, _LOOK) >= 0 for m in TITLE_INSTRUCTIONS):
+            return "auxiliary"
+    elif tools and last.role == "user" and last.content.find(COMPACTION_INSTRUCTION, 0, _LOOK) >= 0:
+        return "compaction"
     return None
 
 
@@ -136,10 +136,12 @@ def attribute(
         agent = TurnAgent(parent.id, parent.parent, kind or _own_kind(parent.id))
     elif claim is not None and claim.id != MAIN:
         agent = _named(claim, kind, request, spawns, known)
-    elif claim is not None or kind is not None:
+    elif claim is not None:
         agent = TurnAgent(MAIN, None, kind or "main")
     else:
         agent = _unnamed(request, spawns, known)
+        if kind is not None:  # a side request or a compaction of whichever agent it is
+            agent = TurnAgent(agent.id, agent.parent, kind, agent.spawned_by)
     if request.results:
         return TurnAgent(
             agent.id, agent.parent, agent.kind, agent.spawned_by, results=request.results
@@ -181,11 +183,14 @@ def _unnamed(request: RequestView, spawns: Spawns, known: Mapping[str, TurnAgent
     if call is not None:
         spawned = SpawnedBy(call.turn, call.tool_call_id)
         return TurnAgent(call.tool_call_id, call.agent, "subagent", spawned)
-    taker = _taker(text, spawns)
-    before = known.get(taker) if taker is not None else None
+    taken = _taken(text, spawns)
+    if taken is None:
+        return TurnAgent()
+    taker, call = taken
+    before = known.get(taker)
     if before is not None:
-        return TurnAgent(before.id, before.parent, before.kind)
-    return TurnAgent()
+        return TurnAgent(before.id, before.parent, _own_kind(before.id))
+    return TurnAgent(taker, call.agent, "subagent")  # its first request is still running
 
 
 def _matching(
@@ -209,10 +214,10 @@ def _matching(
     return max(inside, key=lambda call: len(call.message), default=None)
 
 
-def _taker(text: str, spawns: Spawns) -> str | None:
-    """The agent that took the latest call ``text`` is the message of."""
+def _taken(text: str, spawns: Spawns) -> tuple[str, SpawnCall] | None:
+    """The agent that took the latest call ``text`` is the message of, and that call."""
     for call in reversed(spawns.calls):
         agent = spawns.taken.get(call.key)
         if agent is not None and (call.message == text or call.message in text):
-            return agent
+            return agent, call
     return None

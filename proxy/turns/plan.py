@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from proxy.chat.messages import ChatMessage
 from proxy.exceptions import ImageError
-from proxy.limits import Limits, check_message_count, session_token_room
+from proxy.limits import Limits, session_token_room
 from proxy.models import ServedModel
 from proxy.sampling import resolve_sampling
 from proxy.sessions.accounting import Located, locate, plan_raw_prompt, plan_turn
@@ -29,7 +29,7 @@ from proxy.turns.attribution import attribute, request_view
 from proxy.turns.request import TurnRequest
 from relay import protocol
 
-__all__ = ["TurnPlan", "large_render", "locate_request", "plan"]
+__all__ = ["TurnPlan", "large_render", "locate_request", "plan", "plan_prompt"]
 
 _CONTENT = operator.attrgetter("content")
 
@@ -61,16 +61,16 @@ def plan(
     *,
     limits: Limits,
     global_max_tokens: int,
-    located: Located | None = None,
+    prompt: PromptPlan | None = None,
     live_request_id: str | None = None,
 ) -> TurnPlan:
-    """The turn's plan (pure; may run in a thread for a large render). ``located``: where
-    the request continues (``locate_request``), ``live_request_id``: the client request id
-    of an attempt of the same body still in flight, if any."""
+    """The turn's plan. ``prompt``: its prompt, where the caller rendered it already
+    (``plan_prompt``, in a thread for a large render: everything else is decided here, on
+    the event loop, against the session as it is now); ``live_request_id``: the client
+    request id of an attempt of the same body still in flight, if any."""
     session.require_active()
-    check_message_count(limits, len(request.messages))
-    _check_model(request, served)
-    prompt = _prompt(session, request, served, located)
+    if prompt is None:
+        prompt = plan_prompt(session, request, served)
     agent = _agent(session, request, prompt)
     sampling = _sampling(session, request, served, prompt, limits, global_max_tokens)
     retry = _retry(session, request, live_request_id)
@@ -80,6 +80,15 @@ def plan(
     if replay is None and budget is not None:  # a retry answered from its record spends nothing
         spent = budget.spent(len(session.nodes), session.sampled_tokens)
     return TurnPlan(prompt, agent, sampling, retry, replay, spent)
+
+
+def plan_prompt(
+    session: Session, request: TurnRequest, served: ServedModel, located: Located | None = None
+) -> PromptPlan:
+    """Which turn it continues, and the prompt's ids with its images placed (the costly
+    part of a plan: it renders the messages the session does not hold yet)."""
+    _check_model(request, served)
+    return _prompt(session, request, served, located)
 
 
 def _check_model(request: TurnRequest, served: ServedModel) -> None:

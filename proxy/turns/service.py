@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from proxy.coalesce import StreamCoalescer
 from proxy.exceptions import ProxyError, StorageError, UpstreamError
-from proxy.limits import Limits
+from proxy.limits import Limits, check_message_count
 from proxy.models import ModelRegistry, ServedModel
 from proxy.sessions.model import Session, TurnNode
 from proxy.turns.attempt import Live, PreparedTurn
 from proxy.turns.generate import Generation, dispatch, no_routing, replay, served_model
-from proxy.turns.plan import TurnPlan, large_render, locate_request, plan
+from proxy.turns.plan import TurnPlan, large_render, locate_request, plan, plan_prompt
 from proxy.turns.record import Recorder
 from proxy.turns.request import TurnDone, TurnEvent, TurnRequest, TurnResult
 from relay.pool import WorkerPool
@@ -79,6 +78,7 @@ class TurnService:
         try:
             received = time.perf_counter()
             session.require_active()
+            check_message_count(self.limits, len(request.messages))
             served = await self.served_model(session, request.requested_model)
             planned = await self._plan(session, request, served)
             if planned.prompt.parent is not None:
@@ -89,33 +89,42 @@ class TurnService:
             if turn.replay is not None:
                 turn.started = time.perf_counter()
                 return turn
-            if planned.budget_spent is not None:
-                self.recorder.budget_spent(session, planned.budget_spent)
-            await self._dispatch(turn)
+            # A sub-agent's first request holds its spawning call from its plan on (another
+            # starting at once takes another call), until it is refused or its turn ends.
+            turn.reserved = session.reserve(turn.agent)
+            try:
+                if planned.budget_spent is not None:
+                    self.recorder.budget_spent(session, planned.budget_spent)
+                await self._dispatch(turn)
+            except BaseException:
+                self._settled(turn)
+                raise
             return turn
         except ProxyError as exc:
             self.recorder.server_error(session, exc)
             raise
 
     async def _plan(self, session: Session, request: TurnRequest, served: ServedModel) -> TurnPlan:
-        """The plan (in a thread when a large render would stall other sessions); a marked
-        retry of an attempt still in flight waits for it to be recorded, then plans again."""
+        """The plan. A large render goes to a thread so it does not stall other sessions;
+        the rest is decided after it, on the event loop, against the session and the
+        attempts in flight as they are then. A marked retry of an attempt still in flight
+        waits for it to be recorded, then plans again."""
         while True:
+            located = locate_request(session, request)
+            if large_render(session, request, located):
+                prompt = await asyncio.to_thread(plan_prompt, session, request, served, located)
+            else:
+                prompt = plan_prompt(session, request, served, located)
             marks = request.marks
             live = self._live.get((session.trial_id, marks.request_hash)) if marks else None
-            located = locate_request(session, request)
-            make = functools.partial(
-                plan,
+            planned = plan(
                 session,
                 request,
                 served,
                 limits=self.limits,
                 global_max_tokens=self.global_max_tokens,
-                located=located,
+                prompt=prompt,
                 live_request_id=live.client_request_id if live is not None else None,
-            )
-            planned = (
-                await asyncio.to_thread(make) if large_render(session, request, located) else make()
             )
             if not planned.join:
                 return planned
@@ -123,18 +132,13 @@ class TurnService:
             await live.done.wait()
 
     async def _dispatch(self, turn: PreparedTurn) -> None:
-        """The plan to a worker; the attempt is then live (retries of its body wait for
-        it) and a sub-agent's first request holds its spawning call."""
-        session, marks = turn.session, turn.request.marks
+        """The plan to a worker; the attempt is live from now on (retries of its body wait
+        for it)."""
+        marks = turn.request.marks
         if marks is not None:
             turn.live = Live(marks.client_request_id)
-            self._live[(session.trial_id, marks.request_hash)] = turn.live
-        try:
-            turn.call = await dispatch(self.pool, turn, self.retry_after_seconds)
-        except BaseException:
-            self._settled(turn)
-            raise
-        turn.reserved = session.reserve(turn.agent)
+            self._live[(turn.session.trial_id, marks.request_hash)] = turn.live
+        turn.call = await dispatch(self.pool, turn, self.retry_after_seconds)
 
     # ------------------------------------------------------------------ 2. generate, record
 

@@ -226,11 +226,16 @@ def _titled() -> dict[str, Any]:
 
 @pytest.mark.parametrize("policy", [BranchPolicy.LAST, BranchPolicy.ALL, BranchPolicy.LONGEST])
 def test_a_title_request_never_stands_for_the_main_agent(policy: BranchPolicy) -> None:
+    """A title sent as a root of its own never stands for the main agent: main_sample is
+    the main chain, and TRAINED_KINDS leaves the title out."""
     samples = build_samples(_titled(), policy=policy)
     main = main_sample(samples)
     assert _turns(main) == [1, 2]
     assert (main.agent_kind, main.segment) == ("main", 1)
     assert _trained(samples)[1] == _trained(samples)[2] == 2
+    # The title's root is no piece of the episode that a one-sample trainer leaves out.
+    assert segments(samples) == [1]
+    assert untrained_segments(samples, main) == 0
     kept = build_samples(_titled(), policy=policy, kinds=TRAINED_KINDS)
     assert [_turns(s) for s in kept] == [[1, 2]]
     assert main_sample(kept) is kept[0]
@@ -248,6 +253,8 @@ def _compacted() -> dict[str, Any]:
 
 @pytest.mark.parametrize("policy", [BranchPolicy.LAST, BranchPolicy.LONGEST])
 def test_every_segment_of_a_compacted_episode_trains_once(policy: BranchPolicy) -> None:
+    """After /compact the main agent starts a new root: each segment trains once, every
+    main turn in one sample, the compaction request only where kinds keep it."""
     samples = build_samples(_compacted(), policy=policy, kinds=MAIN_ONLY)
     assert [(s.agent_id, s.agent_kind, s.segment) for s in samples] == [
         ("main", "main", 0),
@@ -294,6 +301,7 @@ def test_a_compaction_turn_inside_a_path_is_context_when_left_out() -> None:
 
 
 def test_a_path_with_no_kept_turn_makes_no_sample() -> None:
+    """A path whose turns are all of kinds left out makes no sample."""
     export = _episode(_path([(0, None, "compaction"), (1, 0, "auxiliary")]))
     assert build_samples(export, kinds=TRAINED_KINDS - {"compaction"}) == []
     (sample,) = build_samples(export, kinds=TRAINED_KINDS)
@@ -301,6 +309,8 @@ def test_a_path_with_no_kept_turn_makes_no_sample() -> None:
 
 
 def test_every_segment_gets_the_episodes_reward() -> None:
+    """Every segment carries the episode's reward (an agent's own where the trainer gave
+    one)."""
     for policy in BranchPolicy:
         assert {s.reward for s in build_samples(_compacted(), policy=policy)} == {0.7}
     export = dict(_compacted(), agent_rewards={"main": 0.25})

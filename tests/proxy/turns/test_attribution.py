@@ -17,6 +17,9 @@ from proxy.sessions.agents import (
     SpawnedBy,
     SpawnResult,
     TurnAgent,
+    agent_claim,
+    spawn_message,
+    spawned_agent,
     spawns_of,
 )
 from proxy.sessions.model import Session, TrialId
@@ -164,7 +167,7 @@ def test_a_call_still_streaming_is_taken_and_gets_its_turn_when_recorded() -> No
     assert s.spawned_by(s.nodes[1]) == {"turn": 2, "tool_call_id": "c1"}
 
 
-def test_a_dispatched_first_request_holds_its_call_until_it_is_recorded_or_fails() -> None:
+def test_a_first_request_in_flight_holds_its_call_until_it_is_recorded_or_fails() -> None:
     """Two sub-agents of one prompt at once: the second takes the other call while the
     first's request runs; a request that ends without a turn lets its call go."""
     s = Session(TrialId("t"), "k")
@@ -224,3 +227,53 @@ def test_a_turns_kind_is_its_own() -> None:
     assert _attribute(s, None, 1, _user("Go on")) == MAIN_AGENT
     side = AgentClaim("main", None, "auxiliary")
     assert _attribute(s, side, 0, _user("Go on")) == TurnAgent("main", None, "auxiliary")
+
+
+def test_a_hold_goes_when_its_request_ends_after_the_call_got_its_turn() -> None:
+    """A sub-agent's first request holds a call still streaming; the reply is recorded
+    meanwhile, then the request ends without a turn: the call is free again."""
+    s = Session(TrialId("t"), "k")
+    s.sent_spawns("main", [Spawn("c1", "Look")])
+    first = _attribute(s, None, None, _user("Look"))
+    held = s.reserve(first)
+    assert held == (None, "c1")
+    _add(s, None, b"m0", TurnAgent(spawns=(Spawn("c1", "Look"),)))
+    assert s.reserved == {(0, "c1"): "c1"}
+    s.unreserve(held, first.id)
+    assert s.reserved == {}
+    assert _attribute(s, None, None, _user("Look")).spawned_by == SpawnedBy(0, "c1")
+
+
+def test_a_root_nothing_names_is_the_sub_agent_whose_first_request_holds_its_call() -> None:
+    """A second root with the message of a call whose sub-agent's first request is still
+    running is that sub-agent's (not the main agent's), of its own kind."""
+    s = Session(TrialId("t"), "k")
+    _spawning(s, "Look")
+    s.reserve(_attribute(s, None, None, _user("Look")))
+    assert _attribute(s, None, None, _user("Look")) == TurnAgent("c1", "main", "subagent")
+
+
+def test_a_side_request_of_a_sub_agent_nothing_names_is_still_the_sub_agents() -> None:
+    """A compaction that a sub-agent sends as a new root keeps its agent; only the kind
+    is the request's."""
+    s = Session(TrialId("t"), "k")
+    _spawning(s, "Look at a.py")
+    _add(s, None, b"s0", _attribute(s, None, None, _user("Look at a.py")))
+    compact = [
+        *_user("Look at a.py"),
+        ChatMessage(
+            "user", "Your task is to create a detailed summary of the conversation so far."
+        ),
+    ]
+    assert _attribute(s, None, None, compact) == TurnAgent("c1", "main", "compaction")
+
+
+def test_headers_and_results_past_the_json_parsers_depth_are_ignored() -> None:
+    """Deeply nested JSON in Codex's turn metadata, a spawning call's arguments or its
+    result says nothing; it never fails the request."""
+    nested = "[" * 4000 + "]" * 4000  # within the metadata's size bound, past the depth
+    assert agent_claim({"thread-id": "T0", "x-codex-turn-metadata": nested}) == AgentClaim(
+        "main", None, None
+    )
+    assert spawn_message(ToolCall("c1", "Agent", nested)) is None
+    assert spawned_agent('{"agent_id": ' + nested + "}") is None
