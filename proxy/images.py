@@ -379,17 +379,51 @@ class AllowedHost:
         return named and url.port == wanted
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix, RFC 6052
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # local use, RFC 8215
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated, RFC 4291
+
+
+def _spelled_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address is only another spelling of: IPv4-mapped,
+    NAT64 (well-known prefix) or IPv4-compatible."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def _tunnelled_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a tunnelled IPv6 address reaches: 6to4's, or Teredo's client
+    (``ipaddress`` undoes its XOR)."""
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return None
+
+
 def public_address(address: str) -> bool:
     """Whether ``address`` (an IP address) is on the public internet: not loopback,
     private, link-local (where cloud metadata services answer, 169.254.169.254), shared,
-    reserved, multicast or unspecified, an IPv4 address mapped into IPv6 judged as
-    itself. ``ipaddress``'s registry of special-purpose ranges decides."""
+    reserved, multicast or unspecified. An IPv6 spelling of an IPv4 address (IPv4-mapped,
+    NAT64, IPv4-compatible) is judged as that address; a tunnelled one (6to4, Teredo) is
+    public only if the IPv4 address it reaches is too; the local-use NAT64 prefix never
+    is. ``ipaddress``'s registry of special-purpose ranges decides."""
     try:
         ip = ipaddress.ip_address(address.partition("%")[0])  # an IPv6 zone is no part
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return False
+        tunnelled = _tunnelled_ipv4(ip)
+        if tunnelled is not None and not public_address(str(tunnelled)):
+            return False
+        spelled = _spelled_ipv4(ip)
+        if spelled is not None:
+            ip = spelled
     return ip.is_global and not ip.is_multicast
 
 

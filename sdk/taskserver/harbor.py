@@ -115,10 +115,8 @@ def result_from_trial(run_id: RunId, trial: Mapping[str, Any], logs: str | None)
     error = f"{kind}: {exception.get('exception_message')}"
     if kind in HARBOR_TIMEOUTS:
         return RunResult(run_id, RunStatus.TIMED_OUT, rewards, error, logs)
-    if kind in HARBOR_AGENT_FAULTS:
-        if rewards:  # the verifier scored what the agent left
-            return RunResult(run_id, RunStatus.SUCCEEDED, rewards, error, logs)
-        return RunResult(run_id, RunStatus.FAILED, error=error, logs=logs, fault=Fault.AGENT)
+    if kind in HARBOR_AGENT_FAULTS:  # its reward, if any: the verifier's of what it left
+        return RunResult(run_id, RunStatus.FAILED, rewards, error, logs, fault=Fault.AGENT)
     return RunResult(run_id, RunStatus.FAILED, rewards, error, logs, fault=Fault.INFRA)
 
 

@@ -361,6 +361,27 @@ def test_only_public_addresses_are_fetched_from(address: str, public: bool) -> N
     assert public_address(address) is public
 
 
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 of 169.254.169.254
+        ("64:ff9b::7f00:1", False),  # NAT64 of 127.0.0.1
+        ("64:ff9b::808:808", True),  # NAT64 of 8.8.8.8
+        ("64:ff9b:1::a9fe:a9fe", False),  # the local-use NAT64 prefix
+        ("2002:a9fe:a9fe::1", False),  # 6to4 of 169.254.169.254
+        ("2002:a00:1::1", False),  # 6to4 of 10.0.0.1
+        ("2002:808:808::1", True),  # 6to4 of 8.8.8.8
+        ("::127.0.0.1", False),  # IPv4-compatible
+        ("::169.254.169.254", False),
+        ("2001:0:4136:e378:8000:63bf:5601:5601", False),  # Teredo, client 169.254.169.254
+    ],
+)
+def test_ipv6_forms_that_reach_ipv4_are_judged_by_their_ipv4(address: str, public: bool) -> None:
+    """NAT64, 6to4, IPv4-compatible and Teredo addresses are refused unless the IPv4 address
+    they reach is public."""
+    assert public_address(address) is public
+
+
 async def test_an_allowed_name_that_resolves_to_loopback_is_not_asked(host: ImageHost) -> None:
     """By default an allowed host whose name resolves to a loopback address, or given as
     one (in any spelling), is refused without a request: the address connected to is the

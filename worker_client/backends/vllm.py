@@ -20,7 +20,8 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   update), ``pause_generation`` (nothing runs: it only clears the caches),
   ``collective_rpc("reload_weights", kwargs={"weights_path", "is_checkpoint_format"})`` on
   every GPU worker, ``reset_prefix_cache`` (no KV of the old weights is reused),
-  ``update_weight_version``, and ``resume_generation``, also after a failure.
+  ``update_weight_version``, and ``resume_generation``, also after a failure (unless
+  the failure stopped the engine).
   ``stage_weights`` checks the checkpoint before any worker is touched: a model directory
   of the served architecture, with weights in it.
 * Settings (``load``'s engine arguments): what the engine computes with is on the card
@@ -495,7 +496,8 @@ class VLLMEngine(StagedPath):
                 self._path = path
                 await llm.update_weight_version(str(version))
             finally:
-                await llm.resume_generation()
+                if not self._closed:  # a restore that failed stopped it: nothing to resume
+                    await llm.resume_generation()
         except WeightsError:
             raise
         except Exception as exc:

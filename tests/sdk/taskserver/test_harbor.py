@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from sdk.agent_loop import run_outcome
 from sdk.exceptions import TaskServerError
 from sdk.taskserver.base import Fault, RunId, RunSpec, RunStatus
 from sdk.taskserver.harbor import HarborLauncherTaskServer, job_config, result_from_trial
@@ -99,7 +100,7 @@ def test_result_from_trial_reads_rewards_and_exceptions() -> None:
         ("VerifierTimeoutError", {}, RunStatus.TIMED_OUT, None),
         ("NonZeroAgentExitCodeError", {}, RunStatus.FAILED, Fault.AGENT),
         ("ContextWindowExceededError", {}, RunStatus.FAILED, Fault.AGENT),
-        ("NonZeroAgentExitCodeError", {"reward": 0.0}, RunStatus.SUCCEEDED, None),
+        ("NonZeroAgentExitCodeError", {"reward": 0.0}, RunStatus.FAILED, Fault.AGENT),
         # Not the policy's doing, graded or not: the model API, the set-up, the sandbox.
         ("ApiInternalServerError", {"reward": 0.0}, RunStatus.FAILED, Fault.INFRA),
         ("ApiConnectionClosedError", {}, RunStatus.FAILED, Fault.INFRA),
@@ -122,6 +123,19 @@ def test_harbor_exceptions_say_whose_doing_a_run_ended_in(
     result = result_from_trial(RunId("j"), trial, None)
     assert (result.status, result.fault) == (status, fault)
     assert result.error == f"{kind}: x"
+
+
+def test_an_agent_failure_the_verifier_graded_is_an_agent_error_with_its_reward() -> None:
+    """A trial whose agent exited non-zero but whose verifier still gave a reward is the
+    agent's failure (``agent_error``) carrying that reward, not a completed run."""
+    trial = {
+        "verifier_result": {"rewards": {"reward": 0.25}},
+        "exception_info": {"exception_type": "NonZeroAgentExitCodeError", "exception_message": "x"},
+    }
+    result = result_from_trial(RunId("j"), trial, None)
+    assert (result.status, result.fault) == (RunStatus.FAILED, Fault.AGENT)
+    assert (run_outcome(result), result.reward) == ("agent_error", 0.25)
+    assert result.error == "NonZeroAgentExitCodeError: x"
 
 
 def _free_port() -> int:

@@ -728,17 +728,51 @@ async def test_weights_that_do_not_fit_are_refused_before_vllm_is_touched(tmp_pa
     assert llm.updates == []
 
 
-async def test_a_failed_reload_is_a_weights_error_and_vllm_resumes(tmp_path: Any) -> None:
-    """vLLM failing to reload becomes WeightsError (the worker leaves service), and
-    generation is resumed all the same."""
+async def test_a_failed_reload_with_nothing_to_go_back_to_stops_vllm(tmp_path: Any) -> None:
+    """vLLM failing to reload, with no served checkpoint to load back, becomes WeightsError
+    (the worker leaves service) and stops the engine, which is not resumed."""
     from worker_client.exceptions import WeightsError
 
     llm = ReloadingLLM(fail_reload=True)
     vllm_engine = engine(llm)
     await vllm_engine.stage_weights(_checkpoint(tmp_path / "step-1"))
-    with pytest.raises(WeightsError, match="shapes differ"):
+    with pytest.raises(WeightsError, match=r"shapes differ.*stopped"):
         await vllm_engine.commit_weights(1)
-    assert llm.updates[-1] == ("resume_generation", None)
+    assert llm.closed
+    assert ("resume_generation", None) not in llm.updates
+
+
+class DyingLLM(ReloadingLLM):
+    """ReloadingLLM whose every reload fails and which, once shut down, fails to resume
+    (as a real AsyncLLM's RPC to its stopped engine core would)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail_reload=True)
+
+    async def resume_generation(self) -> None:
+        if self.closed:
+            raise RuntimeError("engine core is dead")
+        await super().resume_generation()
+
+
+@pytest.mark.parametrize("served", [False, True])
+async def test_a_reload_that_stops_the_engine_says_so_and_does_not_resume_it(
+    tmp_path: Any, served: bool
+) -> None:
+    """A failed reload whose restore closed the engine raises the error saying it stopped,
+    and never resumes the stopped engine (whose failure would hide that error)."""
+    from worker_client.exceptions import WeightsError
+
+    llm = DyingLLM()
+    layout = {"a.weight": ("F32", [2])}
+    path = _safetensors(tmp_path / "step-0", layout) if served else None
+    card = ModelCard("tiny", 16, LogprobsMode.RAW, "vllm")
+    vllm_engine = VLLMEngine(llm, card, path=path)
+    await vllm_engine.stage_weights(_safetensors(tmp_path / "step-1", layout))
+    with pytest.raises(WeightsError, match=r"stopped$"):
+        await vllm_engine.commit_weights(1)
+    assert llm.closed
+    assert ("resume_generation", None) not in llm.updates
 
 
 def test_weight_update_calls_fit_asyncllm(vllm_mod: Any) -> None:
