@@ -31,18 +31,10 @@ import msgspec
 from proxy.chat.history import HistoryMemory
 from proxy.exceptions import ConflictError
 from proxy.images import ImageData
-from proxy.sessions.agents import (
-    MAIN_AGENT,
-    NO_SPAWNS,
-    CallKey,
-    Spawn,
-    SpawnCall,
-    SpawnedBy,
-    Spawns,
-    TurnAgent,
-)
+from proxy.sessions.agents import MAIN_AGENT, Spawns, TurnAgent
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import TurnRouting, export_routing
+from proxy.sessions.spawns import SpawnLedger
 
 TrialId = NewType("TrialId", str)
 
@@ -253,17 +245,8 @@ class Session:
     # Each agent's first turn's agent record, and that turn's index, by agent id.
     agents: dict[str, TurnAgent] = field(default_factory=dict)
     first_turns: dict[str, int] = field(default_factory=dict)
-    # The spawning calls its recorded turns made, in order, and the latest turn that made
-    # a call of each id; the calls of replies still streaming (sent to the agent, not yet
-    # recorded); which agent took each call (its first turn says so, or a result named
-    # it), and which calls sub-agents' first requests in flight hold.
-    calls: list[SpawnCall] = field(default_factory=list)
-    call_turns: dict[str, int] = field(default_factory=dict)
-    streaming: list[SpawnCall] = field(default_factory=list)
-    taken: dict[CallKey, str] = field(default_factory=dict)
-    reserved: dict[CallKey, str] = field(default_factory=dict)
-    # The call each agent was started by, where a spawning call's result named it.
-    links: dict[str, CallKey] = field(default_factory=dict)
+    # The spawning calls its turns made and sent, and which agent took each.
+    spawning: SpawnLedger = field(default_factory=SpawnLedger)
     sampled_tokens: int = 0  # tokens the policy sampled in this session
     # The latest turn recorded for each request body hash (retries are found by it).
     by_request: dict[str, int] = field(default_factory=dict)
@@ -393,104 +376,22 @@ class Session:
             self.agents[agent.id] = agent
             self.first_turns[agent.id] = node.index
         if agent.spawns or agent.spawned_by is not None or agent.results:
-            self._record_spawns(node.index, agent)
+            self.spawning.record(node.index, agent)
         if node.meta.request_hash:
             self.by_request[node.meta.request_hash] = node.index
         self.updated_at = time.time()
 
-    # ------------------------------------------------------------------ spawns
-
     def spawns(self) -> Spawns:
-        """Its spawning calls as attribution sees them: the recorded ones (in order), then
-        those of replies still streaming, and which agent took each."""
-        if not self.calls and not self.streaming:
-            return NO_SPAWNS
-        calls = [
-            SpawnCall(c.turn, c.tool_call_id, c.message, c.agent, self._answered(c))
-            for c in self.calls
-        ]
-        calls.extend(self.streaming)
-        return Spawns(calls, {**self.taken, **self.reserved})
-
-    def _answered(self, call: SpawnCall) -> bool:
-        return call.turn is not None and self.nodes[call.turn].children > 0
-
-    def sent_spawns(self, agent: str, spawns: Sequence[Spawn]) -> list[SpawnCall]:
-        """Spawning calls of a reply still streaming, sent to the agent: from now on a
-        sub-agent can take them. Returns the entries, for ``drop_streaming``."""
-        entries = [SpawnCall(None, s.tool_call_id, s.message, agent) for s in spawns]
-        self.streaming.extend(entries)
-        return entries
-
-    def drop_streaming(self, entries: Sequence[SpawnCall]) -> None:
-        """Forget a reply's streaming calls that its turn did not record (it had none)."""
-        if entries:
-            self.streaming = [c for c in self.streaming if all(c is not e for e in entries)]
-
-    def reserve(self, agent: TurnAgent) -> CallKey | None:
-        """A sub-agent's first request was planned: its call is held while it runs."""
-        if agent.spawned_by is None:
-            return None
-        key = self._call_key(agent.spawned_by)
-        self.reserved[key] = agent.id
-        return key
-
-    def unreserve(self, key: CallKey | None, agent: str) -> None:
-        """The request that held ``key`` ended: the hold goes (under whichever turn the
-        call has by now: its reply may have been recorded meanwhile)."""
-        if key is None:
-            return
-        for held in [k for k, a in self.reserved.items() if k[1] == key[1] and a == agent]:
-            del self.reserved[held]
-
-    def _call_key(self, spawned: SpawnedBy) -> CallKey:
-        """A call's key, its turn found by its id where the reply was still streaming."""
-        if spawned.turn is not None:
-            return (spawned.turn, spawned.tool_call_id)
-        return (self.call_turns.get(spawned.tool_call_id), spawned.tool_call_id)
-
-    def _record_spawns(self, index: int, agent: TurnAgent) -> None:
-        for spawn in agent.spawns:
-            self.calls.append(SpawnCall(index, spawn.tool_call_id, spawn.message, agent.id))
-            self.call_turns[spawn.tool_call_id] = index
-            self.streaming = [
-                c
-                for c in self.streaming
-                if (c.tool_call_id, c.agent) != (spawn.tool_call_id, agent.id)
-            ]
-            # A sub-agent took it while the reply streamed: the call now has its turn.
-            streamed: CallKey = (None, spawn.tool_call_id)
-            for held in (self.taken, self.reserved):
-                taker = held.pop(streamed, None)
-                if taker is not None:
-                    held[(index, spawn.tool_call_id)] = taker
-            for agent_id, linked in self.links.items():
-                if linked == streamed:
-                    self.links[agent_id] = (index, spawn.tool_call_id)
-        if agent.spawned_by is not None:
-            key = self._call_key(agent.spawned_by)
-            self.taken.setdefault(key, agent.id)
-            self.unreserve(key, agent.id)
-        for result in agent.results:  # the result names the agent: it wins
-            key = self._call_key(SpawnedBy(None, result.tool_call_id))
-            self.taken[key] = result.agent
-            self.links[result.agent] = key
+        """Its spawning calls as attribution sees them (``SpawnLedger.view``)."""
+        return self.spawning.view(lambda turn: self.nodes[turn].children > 0)
 
     def spawned_by(self, node: TurnNode) -> dict[str, Any] | None:
-        """The call that started ``node``'s agent, on that agent's first turn: the call
-        whose result named it, else the one its first turn took by content (unless a
-        result named another agent for it)."""
-        agent = node.agent
-        if self.first_turns.get(agent.id) != node.index:
+        """The call that started ``node``'s agent, on that agent's first turn (None on
+        any other turn, and for an agent no call started)."""
+        if self.first_turns.get(node.agent.id) != node.index:
             return None
-        key = self.links.get(agent.id)
-        if key is None and agent.spawned_by is not None:
-            key = self._call_key(agent.spawned_by)
-            if self.taken.get(key, agent.id) != agent.id:
-                key = None
-        if key is None:
-            return None
-        return {"turn": key[0], "tool_call_id": key[1]}
+        key = self.spawning.started_by(node.agent)
+        return None if key is None else {"turn": key[0], "tool_call_id": key[1]}
 
     # ------------------------------------------------------------------ export
 

@@ -193,7 +193,9 @@ class Recorder:
             message = spawn_message(call)
             if message is not None:
                 spawns = [Spawn(call.id, message)]
-                prepared.sent_spawns.extend(prepared.session.sent_spawns(prepared.agent.id, spawns))
+                prepared.sent_spawns.extend(
+                    prepared.session.spawning.sent(prepared.agent.id, spawns)
+                )
 
         return sent
 

@@ -91,7 +91,7 @@ class TurnService:
                 return turn
             # A sub-agent's first request holds its spawning call from its plan on (another
             # starting at once takes another call), until it is refused or its turn ends.
-            turn.reserved = session.reserve(turn.agent)
+            turn.reserved = session.spawning.hold(turn.agent)
             try:
                 if planned.budget_spent is not None:
                     self.recorder.budget_spent(session, planned.budget_spent)
@@ -266,9 +266,9 @@ class TurnService:
         if prepared.detached and not detached:
             return  # the background task that finishes it settles it
         session = prepared.session
-        session.drop_streaming(prepared.sent_spawns)
+        session.spawning.drop(prepared.sent_spawns)
         prepared.sent_spawns = []
-        session.unreserve(prepared.reserved, prepared.agent.id)
+        session.spawning.release(prepared.reserved, prepared.agent.id)
         prepared.reserved = None
         live, marks = prepared.live, prepared.request.marks
         if live is None:

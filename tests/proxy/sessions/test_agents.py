@@ -204,5 +204,5 @@ async def test_agents_and_outcomes_are_stored_with_the_turns(tmp_path: Path) -> 
     assert [n.agent for n in loaded.nodes] == [n.agent for n in s.nodes]
     assert loaded.outcome is Outcome.BUDGET_EXHAUSTED
     assert loaded.agent_rewards == {"a1": 0.5}
-    assert loaded.taken == {(0, "c1"): "a1"}
+    assert loaded.spawning.taken == {(0, "c1"): "a1"}
     assert json.dumps(loaded.export()) == json.dumps(s.export())

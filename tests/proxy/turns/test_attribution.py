@@ -155,15 +155,15 @@ def test_a_call_still_streaming_is_taken_and_gets_its_turn_when_recorded() -> No
     once the reply is recorded, the taken call and the export name its turn."""
     s = Session(TrialId("t"), "k")
     _add(s, None, b"x0", MAIN_AGENT)  # an earlier turn: the spawning one is not turn 0
-    sent = s.sent_spawns("main", [Spawn("c1", "Count files")])
+    sent = s.spawning.sent("main", [Spawn("c1", "Count files")])
     sub = _attribute(s, None, None, _user("Count files"))
     assert sub == TurnAgent("c1", "main", "subagent", SpawnedBy(None, "c1"))
     _add(s, None, b"s0", sub)  # the sub-agent's first turn, recorded before its parent
-    assert s.taken == {(None, "c1"): "c1"}
+    assert s.spawning.taken == {(None, "c1"): "c1"}
     _add(s, 0, b"m1", TurnAgent(spawns=(Spawn("c1", "Count files"),)))
-    s.drop_streaming(sent)
-    assert s.streaming == []
-    assert s.taken == {(2, "c1"): "c1"}
+    s.spawning.drop(sent)
+    assert s.spawning.streaming == []
+    assert s.spawning.taken == {(2, "c1"): "c1"}
     assert s.spawned_by(s.nodes[1]) == {"turn": 2, "tool_call_id": "c1"}
 
 
@@ -173,11 +173,11 @@ def test_a_first_request_in_flight_holds_its_call_until_it_is_recorded_or_fails(
     s = Session(TrialId("t"), "k")
     _spawning(s, "Look", "Look")
     first = _attribute(s, None, None, _user("Look"))
-    held = s.reserve(first)
+    held = s.spawning.hold(first)
     assert held == (0, "c1")
     second = _attribute(s, None, None, _user("Look"))
     assert second.spawned_by == SpawnedBy(0, "c2")
-    s.unreserve(held, first.id)
+    s.spawning.release(held, first.id)
     assert _attribute(s, None, None, _user("Look")).spawned_by == SpawnedBy(0, "c1")
 
 
@@ -233,14 +233,14 @@ def test_a_hold_goes_when_its_request_ends_after_the_call_got_its_turn() -> None
     """A sub-agent's first request holds a call still streaming; the reply is recorded
     meanwhile, then the request ends without a turn: the call is free again."""
     s = Session(TrialId("t"), "k")
-    s.sent_spawns("main", [Spawn("c1", "Look")])
+    s.spawning.sent("main", [Spawn("c1", "Look")])
     first = _attribute(s, None, None, _user("Look"))
-    held = s.reserve(first)
+    held = s.spawning.hold(first)
     assert held == (None, "c1")
     _add(s, None, b"m0", TurnAgent(spawns=(Spawn("c1", "Look"),)))
-    assert s.reserved == {(0, "c1"): "c1"}
-    s.unreserve(held, first.id)
-    assert s.reserved == {}
+    assert s.spawning.reserved == {(0, "c1"): "c1"}
+    s.spawning.release(held, first.id)
+    assert s.spawning.reserved == {}
     assert _attribute(s, None, None, _user("Look")).spawned_by == SpawnedBy(0, "c1")
 
 
@@ -249,7 +249,7 @@ def test_a_root_nothing_names_is_the_sub_agent_whose_first_request_holds_its_cal
     running is that sub-agent's (not the main agent's), of its own kind."""
     s = Session(TrialId("t"), "k")
     _spawning(s, "Look")
-    s.reserve(_attribute(s, None, None, _user("Look")))
+    s.spawning.hold(_attribute(s, None, None, _user("Look")))
     assert _attribute(s, None, None, _user("Look")) == TurnAgent("c1", "main", "subagent")
 
 
