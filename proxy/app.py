@@ -11,7 +11,7 @@ from proxy.api.errors import error_middleware, json_response
 from proxy.api.images import ImageSources
 from proxy.api.openai import routes as openai_routes
 from proxy.api.responses import routes as responses_routes
-from proxy.appkeys import CONFIG, IMAGES, MODELS, POOL, SERVICE, SESSIONS, WEIGHTS
+from proxy.appkeys import CONFIG, IMAGES, MODELS, POOL, SERVICE, SESSIONS, TEACHER, WEIGHTS
 from proxy.chat import history
 from proxy.cluster import forward_middleware, setup_cluster
 from proxy.coalesce import CoalesceMode, StreamCoalescer
@@ -24,6 +24,7 @@ from proxy.limits import Limits
 from proxy.models import ModelRegistry
 from proxy.observability import ProxyMetrics, observe_middleware, setup_observability
 from proxy.sessions.registry import SessionRegistry
+from proxy.teacher import TeacherService
 from proxy.turns import TurnService
 from relay.endpoint import WorkerSocketConfig, make_worker_socket_handler
 from relay.pool import PoolLimits, WorkerPool
@@ -71,6 +72,9 @@ def build_app(config: ProxyConfig) -> web.Application:
     app[WEIGHTS] = WeightSync(pool, phase_seconds=config.weights_phase_seconds)
     app[MODELS] = models
     app[SESSIONS] = SessionRegistry()
+    app[TEACHER] = TeacherService(
+        pool, models, app[SESSIONS], retry_after_seconds=config.retry_after_seconds
+    )
     coalescer = None
     if config.stream_coalesce is CoalesceMode.ADAPTIVE and config.stream_interval == 1:
         # An explicit --stream-interval groups every stream alike; nothing to adapt.
@@ -141,3 +145,5 @@ async def _disconnect_workers(app: web.Application) -> None:
     # A running weight update ends too: the workers roll it back as their connections end,
     # and its task is not left pending behind the proxy.
     await app[WEIGHTS].close()
+    # Scoring with a teacher stops too; what it committed stays.
+    await app[TEACHER].close()

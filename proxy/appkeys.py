@@ -8,6 +8,7 @@ from proxy.api.images import ImageSources
 from proxy.config import ProxyConfig
 from proxy.models import ModelRegistry
 from proxy.sessions.registry import SessionRegistry
+from proxy.teacher import TeacherService
 from proxy.turns import TurnService
 from relay.pool import WorkerPool
 from relay.weights import WeightSync
@@ -19,3 +20,4 @@ SESSIONS = web.AppKey("sessions", SessionRegistry)
 SERVICE = web.AppKey("service", TurnService)
 WEIGHTS = web.AppKey("weights", WeightSync)
 IMAGES = web.AppKey("images", ImageSources)
+TEACHER = web.AppKey("teacher", TeacherService)

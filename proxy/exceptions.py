@@ -9,8 +9,16 @@ the caller's error format (OpenAI or Anthropic) in exactly one place per API.
     │   ├── TemplateError           400 the chat template rejected the messages
     │   ├── ToolsUnsupportedError   400 the model's template drops tools and no listing
     │   │                               of its family puts them in the prompt
-    │   └── ImageError              400 an image that cannot be taken: not an image, a
-    │                                   format or size past the limits, a URL not allowed
+    │   ├── ImageError              400 an image that cannot be taken: not an image, a
+    │   │                               format or size past the limits, a URL not allowed
+    │   └── TeacherRefusedError     400 a teacher that cannot score the session (nothing
+    │       │                           of it changes)
+    │       ├── UnknownTeacherError     no teacher of that name is served
+    │       ├── UnknownPolicyError      the policy that sampled the session is not known to
+    │       │                           this proxy: its vocabulary cannot be compared
+    │       ├── TokenizerMismatchError  the teacher's vocabulary is not the policy's
+    │       ├── TeacherImagesError      the session has images the teacher cannot take
+    │       └── TeacherWindowError      a trajectory is longer than the teacher's window
     ├── AuthenticationError         401 missing or invalid credential
     ├── PermissionDeniedError       403 credential of the wrong kind or for another trial
     ├── NotFoundError               404 unknown trial, model or route
@@ -79,6 +87,46 @@ class ImageError(BadRequestError):
     names the image. Nothing of the request is recorded."""
 
     code = "invalid_image"
+
+
+class TeacherRefusedError(BadRequestError):
+    """A teacher asked to score a session that it cannot score; nothing of the session
+    changes."""
+
+    code = "teacher_refused"
+
+
+class UnknownTeacherError(TeacherRefusedError):
+    """No worker serves a teacher of that name (or the model named is not a teacher)."""
+
+    code = "teacher_not_found"
+
+
+class UnknownPolicyError(TeacherRefusedError):
+    """A model that sampled the session has not been served since the proxy started: the
+    teacher's vocabulary cannot be compared with it."""
+
+    code = "policy_unknown"
+
+
+class TokenizerMismatchError(TeacherRefusedError):
+    """The teacher's vocabulary differs from the policy's: the same ids would be other
+    tokens to it."""
+
+    code = "teacher_tokenizer_mismatch"
+
+
+class TeacherImagesError(TeacherRefusedError):
+    """The session's prompts hold images the teacher cannot take (a text model, or one
+    whose image processor gives an image another number of tokens)."""
+
+    code = "teacher_images_unsupported"
+
+
+class TeacherWindowError(TeacherRefusedError):
+    """A trajectory to score is longer than the teacher's context window."""
+
+    code = "teacher_context_too_short"
 
 
 class AuthenticationError(ProxyError):

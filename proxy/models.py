@@ -4,6 +4,14 @@ Workers ship their tokenizer files in the hello; the proxy stores them under its
 directory by content digest and loads a ``ChatRenderer`` from there, so the proxy needs no
 model files or hub access of its own. Two workers announcing the same model name with
 different tokenizer files are a configuration error: the second is refused.
+
+A teacher (``ModelInfo.teacher``, protocol 6) is reached by an agent only when it names it
+exactly: a request that names no model, or one not served, gets the policy as it did before
+the teacher joined (the session's model, else the one served model that is not a teacher).
+A model is a teacher or not for every worker that serves it. Beside the digest of its
+tokenizer files, each model keeps the digest of its vocabulary alone (``vocabulary``): a
+teacher scores a policy's ids only when the two give every id the same token, whatever
+their configurations and chat templates.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from proxy.chat.renderer import ChatRenderer
 from proxy.chat.template_check import (
@@ -51,6 +60,20 @@ class ServedModel:
     # to (protocol 5), and the shape of those rows; None: a dense model, or workers that
     # cannot report them.
     routing: protocol.RoutingShape | None = None
+    # A teacher (protocol 6): it scores sessions and agents reach it only by name.
+    teacher: bool = False
+    # The digest of its vocabulary: every token with its id, added tokens included
+    # (``vocabulary_digest``). The tokenizer files' ``digest`` also covers the model's
+    # configuration and template, which a teacher of the same vocabulary may not share.
+    vocabulary: str = ""
+
+
+def vocabulary_digest(tokenizer: Any) -> str:
+    """The digest of a tokenizer's vocabulary: each id with its token, in id order."""
+    h = hashlib.sha256()
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        h.update(f"{index}\0{token}\0".encode())
+    return h.hexdigest()[:32]
 
 
 def tokenizer_digest(files: dict[str, bytes]) -> str:
@@ -85,10 +108,17 @@ class ModelRegistry:
         for info in hello.models:
             digest = tokenizer_digest(info.tokenizer_files)
             known = self.models.get(info.name)
+            teacher = info.teacher and hello.protocol_version >= protocol.SCORING_VERSION
             if known is not None:
                 if known.digest != digest:
                     raise AdmissionRefused(
                         f"model {info.name!r} is already served with other tokenizer files"
+                    )
+                if known.teacher != teacher:
+                    raise AdmissionRefused(
+                        f"model {info.name!r} is already served "
+                        f"{'as a teacher' if known.teacher else 'as a policy'}, not "
+                        f"{'as a teacher' if teacher else 'as a policy'}"
                     )
                 routing = (
                     info.routing if hello.protocol_version >= protocol.ROUTING_VERSION else None
@@ -103,7 +133,7 @@ class ModelRegistry:
                     self.models[info.name] = dataclasses.replace(known, routing=routing)
                 continue
             try:
-                renderer, checked, vision = await asyncio.to_thread(
+                renderer, checked, vision, vocabulary = await asyncio.to_thread(
                     self._load, digest, info.tokenizer_files, info.image_token_id
                 )
             except ProxyError as exc:
@@ -122,6 +152,8 @@ class ModelRegistry:
                 tools,
                 vision,
                 info.routing if hello.protocol_version >= protocol.ROUTING_VERSION else None,
+                teacher,
+                vocabulary,
             )
             broken = any(r.result != "continued" for r in checked) or tools.result == "refused"
             log.log(
@@ -134,7 +166,7 @@ class ModelRegistry:
 
     def _load(
         self, digest: str, files: dict[str, bytes], image_token_id: int | None
-    ) -> tuple[ChatRenderer, list[ShapeResult], VisionTokens | None]:
+    ) -> tuple[ChatRenderer, list[ShapeResult], VisionTokens | None, str]:
         target = self.cache_dir / "tokenizers" / digest
         if not target.is_dir():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -155,22 +187,26 @@ class ModelRegistry:
                 raise ValueError(
                     "the worker announced an image token but sent no preprocessor_config.json"
                 )
-        return renderer, check_template(renderer), vision
+        vocabulary = vocabulary_digest(renderer.tokenizer)
+        return renderer, check_template(renderer), vision, vocabulary
 
     def resolve(self, requested: str, session_model: str | None, served: set[str]) -> ServedModel:
         """Map the model name an agent sent to a served model.
 
         Agents send whatever name they were configured with ("gpt-4o", "claude-..."), so a
         name that is not served falls back to the session's model, then to the only served
-        model when there is exactly one."""
+        model that is not a teacher when there is exactly one (a teacher is reached only by
+        its exact name)."""
         for name in (requested, session_model):
             if name and name in served and name in self.models:
                 return self.models[name]
-        available = [n for n in served if n in self.models]
+        available = [n for n in served if n in self.models and not self.models[n].teacher]
         if len(available) == 1:
             return self.models[available[0]]
         if not available:
-            raise NotFoundError("no model is being served", code="model_not_found")
+            teachers = sorted(n for n in served if n in self.models)
+            only = f" but teachers, reached by name only: {teachers}" if teachers else ""
+            raise NotFoundError(f"no model is being served{only}", code="model_not_found")
         raise NotFoundError(
             f"model {requested!r} is not served; available: {sorted(available)}",
             code="model_not_found",

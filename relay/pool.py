@@ -25,6 +25,11 @@ worker that reports routing for its model, and gathers the rows its attempts' ``
 frames bring into ``RelayCall.routed`` (rows ``k`` onwards, each kept once: rows an engine
 gives from before what was asked are dropped). An attempt continued after a lost worker or a
 preemption asks from where the rows gathered so far end.
+
+Teachers (protocol 6): a call started with ``score_from=k`` is a ``Score`` request (teacher
+forcing of its ids from ``k`` on, ``relay.scoring``) and runs only on a worker that speaks
+version 6. A worker that serves only teachers (``serves_policy`` is False) keeps its own
+weights: it never joins behind the pool's version nor takes part in a weight update.
 """
 
 from __future__ import annotations
@@ -107,6 +112,13 @@ class WorkerHandle:
             f"<WorkerHandle {self.worker_id} {self.endpoint.state.value} {self.state.value} "
             f"v{self.version} in_flight={len(self.in_flight)}/{self.max_concurrency}>"
         )
+
+
+def serves_policy(handle: WorkerHandle) -> bool:
+    """Whether the worker's weights follow the pool's version: False only for a worker of
+    teachers alone, which keeps the weights it started with."""
+    models = handle.models.values()
+    return not models or any(not info.teacher for info in models)
 
 
 def reports_routing(handle: WorkerHandle, model: str) -> bool:
@@ -373,6 +385,7 @@ class RelayCall:
         affinity: str | None,
         images: Sequence[PromptImage] = (),
         routed_experts_from: int | None = None,
+        score_from: int | None = None,
     ) -> None:
         self.pool = pool
         self.request_id = request_id
@@ -383,6 +396,8 @@ class RelayCall:
         self.images = [protocol.ImageRef(i.sha256, i.start, i.end) for i in images]
         self.image_bytes = {i.sha256: i.data for i in images}
         self.state = RequestState.QUEUED
+        # A teacher-forcing request of its ids from this position on (None: it samples).
+        self.score_from = score_from
         self.worker_id: WorkerId | None = None
         self.attempts = 0
         self.queued_at = time.perf_counter()
@@ -495,6 +510,15 @@ class RelayCall:
             sampling,
             images=self.images,
             routed_experts_from=routed_from,
+        )
+
+    def request_frame(self, endpoint: protocol.ProxyEndpoint) -> bytes:
+        """The next attempt's request encoded for ``endpoint``: a ``Score`` for a call
+        that scores, else its ``Generate``."""
+        if self.score_from is None:
+            return endpoint.generate(self.generate_message())
+        return endpoint.score(
+            protocol.Score(self.request_id, self.model, self.prompt, self.score_from, self.images)
         )
 
     def image_frames(self, handle: WorkerHandle) -> list[bytes]:
@@ -764,10 +788,11 @@ class WorkerPool:
             sorted(handle.models),
             handle.version,
         )
-        if handle.version > self.version:
+        policy = serves_policy(handle)  # a teacher's weights are its own: it serves at once
+        if policy and handle.version > self.version:
             # Updated through another replica (or before this proxy restarted).
             self.adopt(handle.version, handle.weights_path)
-        elif handle.version < self.version or self.held:
+        elif policy and (handle.version < self.version or self.held):
             # Behind, or an update is running: it serves once it has the current weights.
             handle.state = WorkerState.JOINING
             if self.on_behind is not None:
@@ -782,7 +807,11 @@ class WorkerPool:
         log.info("weights version %d adopted (%s)", version, path or "no checkpoint")
         self.version, self.weights_path = version, path
         for handle in self.workers.values():
-            if handle.version < version and handle.state is WorkerState.SERVING:
+            if (
+                handle.version < version
+                and handle.state is WorkerState.SERVING
+                and serves_policy(handle)
+            ):
                 handle.state = WorkerState.JOINING
                 if self.on_behind is not None:
                     self.on_behind(handle)
@@ -890,14 +919,25 @@ class WorkerPool:
         request_id: str | None = None,
         images: Sequence[PromptImage] = (),
         routed_experts_from: int | None = None,
+        score_from: int | None = None,
     ) -> RelayCall:
         """Dispatch a request, waiting up to ``wait_seconds`` for a free worker. Its
         ``images`` go to the worker it runs on (only a worker that takes images).
         ``routed_experts_from``: the routing rows of positions from there on are asked (only
-        of a worker that reports routing for the model) and gathered in ``call.routed``."""
+        of a worker that reports routing for the model) and gathered in ``call.routed``.
+        ``score_from``: no sampling, the ids from there on are scored (``relay.scoring``;
+        only by a worker that speaks protocol 6)."""
         rid = RequestId(request_id or f"req-{next(self._ids)}")
         call = RelayCall(
-            self, rid, model, prompt_ids, sampling, affinity, images, routed_experts_from
+            self,
+            rid,
+            model,
+            prompt_ids,
+            sampling,
+            affinity,
+            images,
+            routed_experts_from,
+            score_from,
         )
         self._calls[rid] = call
         try:
@@ -968,7 +1008,7 @@ class WorkerPool:
             if call.images:
                 for frame in call.image_frames(handle):
                     await handle.link.send(frame)
-            await handle.link.send(handle.endpoint.generate(call.generate_message()))
+            await handle.link.send(call.request_frame(handle.endpoint))
         finally:
             if lock is not None:
                 lock.release()
@@ -1085,6 +1125,7 @@ class WorkerPool:
             and h.state is WorkerState.SERVING
             and (not call.images or h.endpoint.takes_images)
             and (call.routed is None or reports_routing(h, call.model))
+            and (call.score_from is None or h.endpoint.scores)
         ]
         preferred = self._affinity.get(call.affinity) if call.affinity else None
         chosen = choose_worker(loads, preferred)

@@ -40,6 +40,10 @@ Conversation::
       | <------------- Generate(..., routed_experts_from=k)  |   the experts of positions k..
       | -- Done(..., routed_experts=RoutedExperts) -------> |   rows [start, start + rows)
 
+    scoring (version 6), teacher forcing by a model announced ``ModelInfo.teacher``:
+      | <------------- Score(request_id, ids, start) ------ |   logprobs of ids[start:]
+      | -- Done(request_id, "scored", ids[start:], lps) --> |   (or Error(request_id))
+
 States of a connection (``ConnectionState``): AWAITING_HELLO → OPEN → CLOSED. The two
 endpoint classes (``ProxyEndpoint``, ``WorkerEndpoint``) check every message against the
 state and the set of requests in flight, and raise ``ProtocolError`` on anything else.
@@ -52,7 +56,13 @@ need version 3 on both sides: a proxy refuses an update while an older worker is
 vision-language model with the id of its image placeholder (``ModelInfo.image_token_id``),
 and a proxy sends images only to a worker welcomed in version 4. Routing needs version 5: a
 worker announces what its engine can report (``ModelInfo.routing``) and a proxy asks for
-rows (``Generate.routed_experts_from``) only of a worker welcomed in version 5.
+rows (``Generate.routed_experts_from``) only of a worker welcomed in version 5. Scoring
+needs version 6: a worker announces a teacher (``ModelInfo.teacher``: a model that scores,
+which agents reach only by its exact name) and a proxy sends ``Score`` only to a worker
+welcomed in version 6. A ``Score`` is a request like a ``Generate`` (in flight until its
+``Done`` or ``Error``, cancelled with ``Cancel``, its images sent and placed the same way);
+its ``Done`` has ``finish_reason`` ``"scored"`` and carries the scored ids with their
+logprobs, as a reply carries its sampled ones.
 
 Routing rows: position ``p`` of a request's ``prompt_ids + generated ids`` has one row, the
 experts each MoE layer chose for the token at ``p`` (``[layers, top_k]``, in the order the
@@ -89,16 +99,19 @@ import msgspec
 
 from relay.exceptions import FrameError, IllegalTransitionError, VersionMismatchError
 
-PROTOCOL_VERSION = 5
-SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5})
+PROTOCOL_VERSION = 6
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 BATCH_VERSION = 2  # the first version with Batch frames
 WEIGHTS_VERSION = 3  # the first version with weight updates
 IMAGES_VERSION = 4  # the first version with images
 ROUTING_VERSION = 5  # the first version with routed experts
+SCORING_VERSION = 6  # the first version with teachers and Score requests
 
 # Keys of ``Done.extra`` this protocol gives a meaning to.
 POLICY_VERSION = "policy_version"  # the weights version that sampled the request's tokens
 PREEMPTED = "preempted"  # 1: aborted by a weight update, to be continued on the new weights
+# ``Done.finish_reason`` of a ``Score`` request.
+SCORED = "scored"
 
 _LITTLE = sys.byteorder == "little"
 
@@ -215,6 +228,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # Why its engine cannot report this mixture-of-experts model's routing (None: it can,
     # or the model is dense), named when a session asking for routing is refused.
     routing_unavailable: str | None = None
+    # A teacher (protocol 6): it scores recorded tokens (``Score``), takes no weight
+    # updates, and an agent reaches it only by naming it exactly.
+    teacher: bool = False
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -253,6 +269,19 @@ class Generate(msgspec.Struct, frozen=True, tag="generate"):
     images: list[ImageRef] = []
     # Routing rows wanted from this position on (protocol 5); None: none (nothing costs).
     routed_experts_from: int | None = None
+
+
+class Score(msgspec.Struct, frozen=True, tag="score"):
+    """Teacher forcing (protocol 6): the logprob (raw: ``log_softmax`` of the model's
+    logits) of each of ``ids[start:]`` given every id before it, and the images placed as
+    a ``Generate``'s are, under ``model``. ``0 < start < len(ids)``: the first id has no
+    logprob. Answered by ``Done(request_id, SCORED, ids[start:], logprobs)`` or ``Error``."""
+
+    request_id: str
+    model: str
+    ids: bytes
+    start: int
+    images: list[ImageRef] = []
 
 
 class Image(msgspec.Struct, frozen=True, tag="image"):
@@ -399,6 +428,7 @@ WorkerMessage = Hello | Delta | Done | Error | Batch | UpdateAck | Weights | Pin
 ProxyMessage = (
     Welcome
     | Generate
+    | Score
     | Cancel
     | Error
     | Pause
@@ -414,6 +444,7 @@ Message = (
     Hello
     | Welcome
     | Generate
+    | Score
     | Delta
     | Done
     | Error
@@ -514,6 +545,11 @@ class ProxyEndpoint(_Endpoint):
         """Whether this worker may be asked for routing rows."""
         return self.version >= ROUTING_VERSION
 
+    @property
+    def scores(self) -> bool:
+        """Whether ``Score`` requests can be sent to this worker."""
+        return self.version >= SCORING_VERSION
+
     def image(self, message: Image) -> bytes:
         """Encode an image for the worker to keep."""
         self._require(ConnectionState.OPEN, "image")
@@ -613,6 +649,20 @@ class ProxyEndpoint(_Endpoint):
         self.in_flight.add(message.request_id)
         return encode(message)
 
+    def score(self, message: Score) -> bytes:
+        """Encode a teacher-forcing request (protocol 6)."""
+        self._require(ConnectionState.OPEN, "score")
+        if self.version < SCORING_VERSION:
+            raise IllegalTransitionError(f"score requests need protocol {SCORING_VERSION}")
+        if message.request_id in self.in_flight:
+            raise IllegalTransitionError(f"request {message.request_id!r} is already in flight")
+        _check_score(message)
+        if message.images:
+            self._require_images()
+            _check_images(message, self.images)
+        self.in_flight.add(message.request_id)
+        return encode(message)
+
     def cancel(self, request_id: str) -> bytes | None:
         """Cancel a request in flight; None when it already finished."""
         self._require(ConnectionState.OPEN, "cancel")
@@ -623,10 +673,19 @@ class ProxyEndpoint(_Endpoint):
         return encode(Cancel(request_id))
 
 
-def _check_images(message: Generate, held: set[str] | None) -> None:
+def _check_score(message: Score) -> None:
+    """A score request names at least one id after its first."""
+    if not 0 < message.start < len(message.ids) // 4:
+        raise FrameError(
+            f"request {message.request_id!r}: scores from {message.start} of "
+            f"{len(message.ids) // 4} ids (the first id has no logprob)"
+        )
+
+
+def _check_images(message: Generate | Score, held: set[str] | None) -> None:
     """A request's images are held by the worker (unless ``held`` is None) and lie, in
-    order and apart, inside its prompt."""
-    length = len(message.prompt_ids) // 4
+    order and apart, inside its prompt (a score request's ids)."""
+    length = len(message.prompt_ids if isinstance(message, Generate) else message.ids) // 4
     end = 0
     for ref in message.images:
         if held is not None and ref.sha256 not in held:
@@ -668,7 +727,7 @@ class WorkerEndpoint(_Endpoint):
             return message  # the proxy refused us; caller closes
         self._require(ConnectionState.OPEN, type(message).__name__.lower())
         uses_images = isinstance(message, Image | ImageDrop) or (
-            isinstance(message, Generate) and bool(message.images)
+            isinstance(message, Generate | Score) and bool(message.images)
         )
         if uses_images and self.version < IMAGES_VERSION:
             raise IllegalTransitionError(f"images need protocol {IMAGES_VERSION}")
@@ -678,7 +737,11 @@ class WorkerEndpoint(_Endpoint):
             and self.version < ROUTING_VERSION
         ):
             raise IllegalTransitionError(f"routed experts need protocol {ROUTING_VERSION}")
-        if isinstance(message, Generate):
+        if isinstance(message, Score):
+            if self.version < SCORING_VERSION:
+                raise IllegalTransitionError(f"score requests need protocol {SCORING_VERSION}")
+            _check_score(message)
+        if isinstance(message, Generate | Score):
             if message.request_id in self.in_flight:
                 raise IllegalTransitionError(f"request {message.request_id!r} already running")
             # An image the worker lacks fails that request (``IMAGE_MISSING``), not the

@@ -41,7 +41,9 @@ anything (``WeightSync`` is the pool's ``on_behind``). A version stamped without
 checkpoint cannot be loaded: a worker behind it waits, serving nothing, until it reports
 that version itself (the trainer syncs its engines). A worker that cannot be brought up
 to the current version, or does not answer a rollback, is taken out of service: never
-left serving other weights under the new version number, nor paused.
+left serving other weights under the new version number, nor paused. A worker that
+serves only teachers (``relay.pool.serves_policy``) is no part of any update: its weights
+are its own.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from relay.exceptions import (
     WeightsUpdateError,
     WorkerFailedError,
 )
-from relay.pool import WorkerHandle, WorkerPool, WorkerState
+from relay.pool import WorkerHandle, WorkerPool, WorkerState, serves_policy
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +272,9 @@ class WeightSync:
             return last.answer()
         if admission is Admission.SERVED:
             return self.report()
-        old = [h for h in self.pool.workers.values() if not h.endpoint.can_update]
+        old = [
+            h for h in self.pool.workers.values() if serves_policy(h) and not h.endpoint.can_update
+        ]
         if old:
             raise UpdateRefusedError(
                 "worker_cannot_update",
@@ -323,7 +327,12 @@ class WeightSync:
             self.pool.release()
 
     async def _run(self, update: WeightsUpdate) -> None:
-        handles = [h for h in self.pool.workers.values() if h.state is WorkerState.SERVING]
+        # A teacher's worker keeps its own weights: the policy's checkpoint is not its.
+        handles = [
+            h
+            for h in self.pool.workers.values()
+            if h.state is WorkerState.SERVING and serves_policy(h)
+        ]
         for handle in handles:
             handle.state = WorkerState.UPDATING
         log.info(

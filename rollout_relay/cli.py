@@ -391,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--name", default=None, help="model name announced to the proxy")
     w.add_argument(
+        "--teacher",
+        action="store_true",
+        help="serve the model as a teacher: it scores recorded sessions "
+        "(POST /sessions/<trial>/teacher), takes no weight updates, and an agent reaches it "
+        "only by naming it exactly (hf and vllm backends)",
+    )
+    w.add_argument(
         "--chat-template",
         type=Path,
         default=None,
@@ -691,6 +698,10 @@ async def _run_proxy(config: ProxyConfig) -> None:
             await running.stop()
 
 
+# The backends whose engines score ids by teacher forcing (``PromptScorer``).
+_SCORING_BACKENDS = ("hf", "vllm")
+
+
 async def _run_worker(args: argparse.Namespace) -> None:
     from worker_client.client import ServedModel, client_ssl_context
     from worker_client.engine import Engine, LogprobsMode
@@ -741,7 +752,11 @@ async def _run_worker(args: argparse.Namespace) -> None:
         )
     fleet = WorkerFleet(
         args.proxy,
-        {engine.card.name: ServedModel(engine, Path(args.model), args.chat_template)},
+        {
+            engine.card.name: ServedModel(
+                engine, Path(args.model), args.chat_template, teacher=args.teacher
+            )
+        },
         token=args.token,
         worker_id=args.worker_id,
         max_concurrency=args.max_concurrency,
@@ -1031,6 +1046,13 @@ def main(argv: list[str] | None = None) -> int:
             # The proxy drains on a signal itself (see _run_proxy).
             _run_loop(_run_proxy(config), args.event_loop, stop_on_signal=False)
         elif args.command == "worker":
+            if args.teacher and args.backend not in _SCORING_BACKENDS:
+                print(
+                    "rollout-relay worker: --teacher needs a backend that scores "
+                    f"({', '.join(_SCORING_BACKENDS)}), not {args.backend}",
+                    file=sys.stderr,
+                )
+                return 2
             if args.backend == "openai" and not args.upstream_url:
                 print(
                     "rollout-relay worker: --backend openai needs --upstream-url "

@@ -89,16 +89,17 @@ def start_hf_worker(
     worker_id: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
     device: str = "cpu",
+    teacher: bool = False,
 ) -> asyncio.Task[None]:
     """Load the model with the ``hf`` backend (on ``device``) and connect it to ``proxy``
-    in this loop."""
+    in this loop (``teacher``: announced as a teacher, as ``worker --teacher``)."""
     from worker_client.backends.hf import HFEngine
     from worker_client.client import ServedModel, WorkerClient
 
     engine = HFEngine.load(model_dir, name=name, device=device)
     client = WorkerClient(
         proxy.worker_url,
-        {engine.card.name: ServedModel(engine, model_dir)},
+        {engine.card.name: ServedModel(engine, model_dir, teacher=teacher)},
         token=token,
         worker_id=worker_id,
         ssl_context=ssl_context,

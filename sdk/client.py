@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 # (three phases of its --weights-phase-seconds, 600 s by default: pause, load, commit or
 # rollback) and a minute for the answer to travel and a retry to join.
 UPDATE_SECONDS = 3 * 600.0 + 60.0
+# How long ``score_with_teacher`` keeps asking by default: an hour of teacher forcing.
+TEACHER_SECONDS = 3600.0
 
 
 @contextlib.contextmanager
@@ -125,20 +127,28 @@ class ProxyClient(HttpClient):
         return owner(trial_id, self._peers) if len(self._peers) > 1 else self.proxy_url
 
     async def _trial_request(
-        self, method: str, trial_id: str, path: str, payload: Any = None, *, raw: bool = False
+        self,
+        method: str,
+        trial_id: str,
+        path: str,
+        payload: Any = None,
+        *,
+        raw: bool = False,
+        total_seconds: float | None = None,
     ) -> Any:
         """A request about one trial, sent to the replica that owns it; through the
         replica this client was given (which forwards it) when the owner's own URL cannot
         be reached from here (a port-forward from outside the cluster)."""
         base = await self._owner(trial_id)
+        options: dict[str, Any] = {"raw": raw, "total_seconds": total_seconds}
         if base == self.proxy_url:
-            return await self._request(method, path, payload, raw=raw)
+            return await self._request(method, path, payload, **options)
         try:
-            return await self._request(method, path, payload, base=base, raw=raw)
+            return await self._request(method, path, payload, base=base, **options)
         except ProxyConnectionError as exc:
             if not exc.refused:
                 raise
-            return await self._request(method, path, payload, raw=raw)
+            return await self._request(method, path, payload, **options)
 
     async def _request(
         self,
@@ -236,6 +246,15 @@ class ProxyClient(HttpClient):
         )
         return result
 
+    async def tree(self, trial_id: str) -> dict[str, Any]:
+        """The trial's tree (``GET /sessions/<trial>/tree``): ``{"trial_id", "nodes"}``,
+        one node per turn, each token of the session once; ``sdk.tree.pack_tree`` packs
+        it into one sequence for a trainer."""
+        result: dict[str, Any] = await self._trial_request(
+            "GET", trial_id, f"/sessions/{trial_id}/tree"
+        )
+        return result
+
     async def agents(self, trial_id: str) -> list[dict[str, Any]]:
         """The trial's agents (``GET /sessions/<trial>/agents``): each with its id,
         parent, kind, the call that spawned it and its turns."""
@@ -320,6 +339,52 @@ class ProxyClient(HttpClient):
             "POST", trial_id, f"/sessions/{trial_id}/complete", payload
         )
         return result
+
+    async def score_with_teacher(
+        self, trial_id: str, model: str, *, within_seconds: float = TEACHER_SECONDS
+    ) -> dict[str, Any]:
+        """Have the teacher ``model`` (a worker's model started with ``--teacher``) score
+        every token the policy sampled in the trial (``POST /sessions/<trial>/teacher``);
+        the export then carries ``teacher_logprobs`` and ``teacher_model`` per trajectory
+        (``Sample.teacher_logprobs``). Returns ``{"model", "scored_tokens", "seconds",
+        "done"}``, ``scored_tokens`` summed over the calls it made.
+
+        Scoring runs on the proxy whoever waits for it, and asked again it scores only
+        what is not scored yet, so this asks again, until ``within_seconds`` have passed,
+        when the connection drops or times out, when the proxy says to retry, and while
+        it answers ``done: false`` (past ``within_seconds``, such an answer is returned
+        as it is). A refusal (an unknown teacher, one whose tokenizer or images are not the
+        policy's) raises ``ProxyRequestError`` at once."""
+        deadline = time.monotonic() + within_seconds
+        scored = 0
+        attempt = 0
+        path = f"/sessions/{trial_id}/teacher"
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                result: dict[str, Any] = await self._trial_request(
+                    "POST", trial_id, path, {"model": model}, total_seconds=max(remaining, 1.0)
+                )
+                scored += int(result.get("scored_tokens", 0))
+                if result.get("done", True):
+                    return {**result, "scored_tokens": scored}
+                if time.monotonic() >= deadline:  # partial, and no time left to ask again
+                    return {**result, "scored_tokens": scored}
+                pause = 0.0  # partial: its figures are in; ask for the rest at once
+            except ProxyRequestError as exc:
+                if not exc.should_retry:
+                    raise
+                pause = exc.retry_after if exc.retry_after is not None else 1.0
+                if time.monotonic() + pause >= deadline:
+                    raise
+            except ProxyConnectionError:
+                # The call dropped or ran past its time; the proxy scores on, and asking
+                # again waits for it, then scores what is left.
+                pause = min(0.5 * 2**attempt, 8.0)
+                if time.monotonic() + pause >= deadline:
+                    raise
+            attempt += 1
+            await asyncio.sleep(pause)
 
     async def delete(self, trial_id: str) -> None:
         await self._trial_request("DELETE", trial_id, f"/sessions/{trial_id}")

@@ -243,6 +243,11 @@ class Sample:
     # agent that starts over as a new root (the main agent after a compaction) has one
     # segment per root, each trained once with the episode's reward (see sdk.segments).
     segment: int = 0
+    # On-policy distillation: a teacher's logprob of each response token (0.0 where the
+    # mask was 0 in the export), cut as ``response_logprobs`` is, and the teacher's name
+    # (None: the session was not scored by one teacher, POST /sessions/<trial>/teacher).
+    teacher_logprobs: list[float] | None = None
+    teacher_model: str | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -357,6 +362,7 @@ class _Draft:
     response_truncated: bool
     images: list[SampleImage] = field(default_factory=list)
     routed_experts: np.ndarray[Any, Any] | None = None
+    teacher: list[float] | None = None  # the teacher's logprobs, cut as ``logprobs``
 
     @property
     def branch(self) -> int:
@@ -414,6 +420,8 @@ class _Draft:
             agent_id=source.agent_id,
             agent_kind=source.agent_kind,
             segment=source.segment,
+            teacher_logprobs=self.teacher,
+            teacher_model=self.traj.get("teacher_model") if self.teacher is not None else None,
         )
 
 
@@ -429,6 +437,7 @@ def _draft(
     response = list(traj["response_ids"])
     mask = list(traj["response_mask"])
     logprobs = list(traj["response_logprobs"])
+    teacher = list(traj["teacher_logprobs"]) if "teacher_logprobs" in traj else None
     versions = _versions(traj, len(response))
     images = export_images(traj)
     routing = export_routing(traj)
@@ -465,6 +474,7 @@ def _draft(
         response = response[:keep]
         mask = mask[:keep]
         logprobs = logprobs[:keep]
+        teacher = teacher[:keep] if teacher is not None else None
         versions = versions[:keep]
     images = [i for i in images if i.end <= len(prompt) + len(response)]
     rows = None
@@ -482,6 +492,7 @@ def _draft(
         response_truncated,
         images,
         rows,
+        teacher,
     )
 
 

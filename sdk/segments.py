@@ -102,6 +102,10 @@ def first_kind(kinds: Collection[str]) -> str:
     return min(kinds, key=lambda k: KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER))
 
 
+# Per-response-token lists of a trajectory whose names do not start with ``response_``.
+_PER_RESPONSE_TOKEN = frozenset({"teacher_logprobs"})
+
+
 def cut_trajectory(traj: dict[str, Any], turns: int) -> dict[str, Any]:
     """``traj`` ending after its first ``turns`` turns: every per-response-token list cut
     at the end of the last one (``traj`` itself when it has no more)."""
@@ -112,7 +116,9 @@ def cut_trajectory(traj: dict[str, Any], turns: int) -> dict[str, Any]:
     length = len(traj["response_ids"])
     kept = {
         key: value[:end]
-        if key.startswith("response_") and isinstance(value, list) and len(value) == length
+        if (key.startswith("response_") or key in _PER_RESPONSE_TOKEN)
+        and isinstance(value, list)
+        and len(value) == length
         else value
         for key, value in traj.items()
     }

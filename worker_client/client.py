@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from relay import protocol
 from relay.exceptions import ProtocolError
-from worker_client.engine import Engine, ImageSpan, SamplingParams
+from worker_client.engine import Engine, ImageSpan, PromptScorer, SamplingParams
 from worker_client.exceptions import (
     ConnectionRefusedByProxy,
     EngineError,
@@ -102,21 +102,32 @@ def backoff_delay(
 @dataclass(slots=True)
 class ServedModel:
     """A model this worker serves. Its engine is wrapped in a ``VersionedEngine`` (pause,
-    load weights, resume on a new version) unless it is one already."""
+    load weights, resume on a new version) unless it is one already. ``teacher``: it is
+    announced as a teacher (``--teacher``: it scores, and agents reach it only by its
+    exact name); its engine must score (``PromptScorer``)."""
 
     engine: VersionedEngine
     tokenizer_dir: Path
     chat_template: Path | None = None  # replaces the model's own template (--chat-template)
+    teacher: bool = False
 
     def __init__(
         self,
         engine: Engine | VersionedEngine,
         tokenizer_dir: Path,
         chat_template: Path | None = None,
+        *,
+        teacher: bool = False,
     ) -> None:
         self.engine = engine if isinstance(engine, VersionedEngine) else VersionedEngine(engine)
         self.tokenizer_dir = Path(tokenizer_dir)
         self.chat_template = chat_template
+        inner = self.engine.engine
+        if teacher and not isinstance(inner, PromptScorer):
+            raise EngineError(
+                f"the {inner.card.backend} backend cannot score: it cannot serve a teacher"
+            )
+        self.teacher = teacher
 
 
 class WorkerClient:
@@ -176,6 +187,7 @@ class WorkerClient:
                 routing=served.engine.card.routing,
                 engine=dict(served.engine.card.engine),
                 routing_unavailable=served.engine.card.routing_unavailable,
+                teacher=served.teacher,
             )
             for name, served in self.models.items()
         ]
@@ -255,24 +267,16 @@ class WorkerClient:
                 except ProtocolError as exc:
                     log.error("worker %s: protocol error from proxy: %s", self.worker_id, exc)
                     return
-                if isinstance(message, protocol.Generate):
+                if isinstance(message, protocol.Generate | protocol.Score):
                     rid = message.request_id
-                    missing = [ref.sha256 for ref in message.images if ref.sha256 not in images]
-                    if missing:
-                        # This request fails alone; the proxy sends its images again.
-                        log.warning("worker %s: %s uses an image it lacks", self.worker_id, rid)
-                        outbox.finish(
-                            protocol.Error(
-                                protocol.IMAGE_MISSING, f"image {missing[0][:12]} not held", rid
-                            )
-                        )
+                    spans = self._spans(outbox, message, images)
+                    if spans is None:
                         continue
-                    # The request takes its images' bytes now: a later drop cannot reach it.
-                    spans = [
-                        ImageSpan(ref.sha256, images[ref.sha256], ref.start, ref.end)
-                        for ref in message.images
-                    ]
-                    task = asyncio.create_task(self._run_request(outbox, message, spans))
+                    task = asyncio.create_task(
+                        self._run_request(outbox, message, spans)
+                        if isinstance(message, protocol.Generate)
+                        else self._run_score(outbox, message, spans)
+                    )
                     running[rid] = task
                     task.add_done_callback(functools.partial(_forget, running, rid))
                 elif isinstance(message, protocol.Cancel):
@@ -315,6 +319,56 @@ class WorkerClient:
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sender
+
+    def _spans(
+        self,
+        outbox: Outbox,
+        message: protocol.Generate | protocol.Score,
+        images: Mapping[str, bytes],
+    ) -> list[ImageSpan] | None:
+        """The request's images with their bytes, taken now (a later drop cannot reach
+        it); None when one is not held: the request fails alone and the proxy sends its
+        images again."""
+        missing = [ref.sha256 for ref in message.images if ref.sha256 not in images]
+        if missing:
+            rid = message.request_id
+            log.warning("worker %s: %s uses an image it lacks", self.worker_id, rid)
+            outbox.finish(
+                protocol.Error(protocol.IMAGE_MISSING, f"image {missing[0][:12]} not held", rid)
+            )
+            return None
+        return [
+            ImageSpan(ref.sha256, images[ref.sha256], ref.start, ref.end) for ref in message.images
+        ]
+
+    async def _run_score(
+        self, outbox: Outbox, message: protocol.Score, images: Sequence[ImageSpan]
+    ) -> None:
+        """Teacher forcing of a ``Score`` request: its ``Done`` carries the scored ids
+        with their logprobs (``relay.protocol``)."""
+        rid = message.request_id
+        served = self.models.get(message.model)
+        if served is None or not served.teacher:
+            outbox.finish(protocol.Error("unknown_model", f"no teacher {message.model!r}", rid))
+            return
+        ids = protocol.unpack_id_array(message.ids)
+        try:
+            async with self.admission[message.model]:
+                logprobs = await served.engine.prompt_logprobs(rid, ids, message.start, images)
+            if len(logprobs) != len(ids) - message.start:
+                raise EngineError(f"{len(logprobs)} logprobs for {len(ids) - message.start} ids")
+        except asyncio.CancelledError:
+            outbox.discard(rid)
+            raise
+        except PromptTooLongError as exc:
+            outbox.finish(protocol.Error("prompt_too_long", str(exc), rid))
+        except Exception as exc:  # any engine failure fails this request, never hangs it
+            log.exception("engine failed to score %s", rid)
+            outbox.finish(protocol.Error("engine_error", f"{type(exc).__name__}: {exc}", rid))
+        else:
+            scored = protocol.pack_ids(ids[message.start :])
+            done = protocol.Done(rid, protocol.SCORED, scored, protocol.pack_logprobs(logprobs))
+            outbox.finish(done)
 
     async def _run_request(
         self, outbox: Outbox, message: protocol.Generate, images: Sequence[ImageSpan] = ()

@@ -20,6 +20,10 @@ generated ids`` (all but the last generated token), or from an earlier start, ne
 later one (``relay.protocol``'s "Routing rows"). An aborted request's last chunk carries
 the rows it has. Without ``routed_experts_from`` nothing is captured. A card without
 ``routing`` refuses the question (``refuse_routing``).
+
+Scoring (a teacher's engine): ``PromptScorer.prompt_logprobs`` is teacher forcing, the
+logprobs of given ids under the model with no sampling; an engine that cannot score is
+not served as a teacher.
 """
 
 from __future__ import annotations
@@ -140,6 +144,37 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PromptScorer(Protocol):
+    """An engine that scores ids by teacher forcing (a teacher: ``--teacher``)."""
+
+    async def prompt_logprobs(
+        self,
+        request_id: str,
+        ids: Sequence[int],
+        start: int,
+        images: Sequence[ImageSpan] = (),
+    ) -> list[float]:
+        """The RAW logprob (``log_softmax`` of the unmodified logits, whatever the card's
+        ``logprobs_mode``) of each of ``ids[start:]`` given every id before it, with
+        ``images`` where their spans say (as ``generate`` places them); ``0 < start <
+        len(ids) <= max_model_len``. Raises ``EngineError`` subclasses on failure."""
+        ...
+
+
+def check_scoring(card: ModelCard, ids: Sequence[int], start: int) -> None:
+    """Refuse a score request no backend can serve: nothing to score, or more ids than
+    the window (a scored sequence needs no room after it)."""
+    from worker_client.exceptions import EngineError, PromptTooLongError
+
+    if not 0 < start < len(ids):
+        raise EngineError(f"scoring from {start} of {len(ids)} ids: the first id has no logprob")
+    if len(ids) > card.max_model_len:
+        raise PromptTooLongError(
+            f"{len(ids)} ids to score do not fit the {card.max_model_len}-token window"
+        )
 
 
 # The ``logit_bias`` that keeps a token from being sampled: the lowest OpenAI's API, vLLM

@@ -43,11 +43,12 @@ from worker_client.engine import (
     FinishReason,
     ImageSpan,
     ModelCard,
+    PromptScorer,
     SamplingParams,
     TokenChunk,
     refuse_routing,
 )
-from worker_client.exceptions import WeightsBusyError, WeightsError
+from worker_client.exceptions import EngineError, WeightsBusyError, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,28 @@ class VersionedEngine:
             async with self._changed:
                 self._running.discard(request_id)
                 self._preempted.discard(request_id)
+                self._changed.notify_all()
+
+    async def prompt_logprobs(
+        self,
+        request_id: str,
+        ids: Sequence[int],
+        start: int,
+        images: Sequence[ImageSpan] = (),
+    ) -> list[float]:
+        """Teacher forcing (``PromptScorer``) on the engine's weights: it waits out a
+        pause, as a generation does, and a pause waits for it."""
+        engine = self.engine
+        if not isinstance(engine, PromptScorer):
+            raise EngineError(f"model {self.card.name} ({self.card.backend} backend) cannot score")
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.state is PolicyState.SERVING)
+            self._running.add(request_id)
+        try:
+            return await engine.prompt_logprobs(request_id, ids, start, images)
+        finally:
+            async with self._changed:
+                self._running.discard(request_id)
                 self._changed.notify_all()
 
     async def abort(self, request_id: str) -> None:

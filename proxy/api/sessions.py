@@ -11,13 +11,15 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.errors import json_response, parse_json
-from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS
+from proxy.appkeys import CONFIG, POOL, SERVICE, SESSIONS, TEACHER
 from proxy.cluster import CLUSTER, FORWARDED_BY, Cluster, new_owned_trial_id
 from proxy.exceptions import BadRequestError, NotFoundError, StorageError
 from proxy.limits import check_session_count
 from proxy.sampling import validate_session_sampling
 from proxy.sessions.model import Outcome, Session, SessionState
 from proxy.sessions.options import validate_options
+from proxy.sessions.registry import SessionRegistry
+from proxy.sessions.tree import session_tree
 from proxy.turns import no_routing
 from relay.pool import WorkerPool
 
@@ -34,6 +36,11 @@ class CreateSession(BaseModel):
     cap_finish: Any = None
     routed_experts: Any = None
     budget: Any = None
+
+
+class ScoreWithTeacher(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str  # the teacher's name, as its worker announces it
 
 
 class CompleteSession(BaseModel):
@@ -103,7 +110,8 @@ def _check_routing(pool: WorkerPool, model: str | None) -> None:
     model (the one named, else the only one served) has no worker that reports them.
     With no worker connected it cannot tell: its first request is refused instead."""
     served = pool.served_models()
-    name = model if model in served else (next(iter(served)) if len(served) == 1 else None)
+    policies = [n for n, info in served.items() if not info.teacher]
+    name = model if model in served else (policies[0] if len(policies) == 1 else None)
     if name is not None and pool.routing(name) is None:
         raise BadRequestError(
             f"{no_routing(pool, name)}; create the session without routed_experts",
@@ -128,12 +136,26 @@ async def get_trajectories(request: web.Request) -> web.Response:
     registry = request.app[SESSIONS]
     session = registry.get(request.match_info["trial_id"])
     export = session.export()
+    await _fetched(registry, session)
+    return json_response(export)
+
+
+async def get_tree(request: web.Request) -> web.Response:
+    """The session's tree as nodes (proxy.sessions.tree): what the trajectories hold, each
+    token once, for a trainer that packs the tree into one sequence."""
+    registry = request.app[SESSIONS]
+    session = registry.get(request.match_info["trial_id"])
+    tree = session_tree(session)
+    await _fetched(registry, session)
+    return json_response(tree)
+
+
+async def _fetched(registry: SessionRegistry, session: Session) -> None:
+    """The trainer has the completed session's tokens (as trajectories or as the tree):
+    the retention clock for fetched sessions starts (see proxy.sessions.expiry)."""
     if session.state is SessionState.COMPLETED and session.fetched_at is None:
-        # The trainer has the completed trajectories: the retention clock for fetched
-        # sessions starts (see proxy.sessions.expiry).
         session.fetched_at = time.time()
         await registry.save(session)
-    return json_response(export)
 
 
 async def get_image(request: web.Request) -> web.Response:
@@ -201,6 +223,16 @@ def _outcome(session: Session, spec: CompleteSession) -> Outcome:
             code="invalid_outcome",
         )
     return outcome
+
+
+async def score_with_teacher(request: web.Request) -> web.Response:
+    """Every sampled token of the trial's trajectories scored by a teacher (proxy.teacher):
+    ``{"model", "scored_tokens", "seconds", "done": true}``, ``scored_tokens`` counting
+    what this call scored (asked again, only what is new)."""
+    session = request.app[SESSIONS].get(request.match_info["trial_id"])
+    spec = parse_json(ScoreWithTeacher, await request.read())
+    report = await request.app[TEACHER].score(session, spec.model)
+    return json_response(report.as_dict())
 
 
 async def get_agents(request: web.Request) -> web.Response:
@@ -283,7 +315,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/sessions/{trial_id}", create_named_session)
     app.router.add_get("/sessions/{trial_id}", get_session)
     app.router.add_get("/sessions/{trial_id}/trajectories", get_trajectories)
+    app.router.add_get("/sessions/{trial_id}/tree", get_tree)
     app.router.add_get("/sessions/{trial_id}/images/{sha256}", get_image)
     app.router.add_get("/sessions/{trial_id}/agents", get_agents)
     app.router.add_post("/sessions/{trial_id}/complete", complete_session)
+    app.router.add_post("/sessions/{trial_id}/teacher", score_with_teacher)
     app.router.add_delete("/sessions/{trial_id}", delete_session)

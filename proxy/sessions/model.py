@@ -35,6 +35,7 @@ from proxy.sessions.agents import MAIN_AGENT, Spawns, TurnAgent
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import TurnRouting, export_routing
 from proxy.sessions.spawns import SpawnLedger
+from proxy.sessions.teacher import TurnTeacher, export_teacher
 
 TrialId = NewType("TrialId", str)
 
@@ -161,6 +162,8 @@ class TurnNode(msgspec.Struct, gc=False, eq=False):
     routing: TurnRouting | None = None
     # The agent that made it (proxy.sessions.agents).
     agent: TurnAgent = MAIN_AGENT
+    # A teacher's logprob of each token it sampled (proxy.sessions.teacher); None: none.
+    teacher: TurnTeacher | None = None
 
     @property
     def end(self) -> int:
@@ -445,12 +448,18 @@ class Session:
             "response_logprobs": logprobs,
             "response_versions": versions,
             "turns": turns,
+            # Its path in GET /sessions/<trial>/tree: these nodes' ids concatenated are
+            # prompt_ids + response_ids (proxy.sessions.tree).
+            "nodes": [node.index for node in path],
         }
         placed = [image for node in path for image in node.images]
         if placed:
             # Spans index prompt_ids + response_ids: a prompt's positions are the same in
             # every turn of the path.
             out["multi_modal_data"] = {"images": [self._image_entry(i) for i in placed]}
+        teacher = export_teacher(path)
+        if teacher is not None:  # aligned with response_ids, 0.0 where the mask is 0
+            out["teacher_model"], out["teacher_logprobs"] = teacher
         if self.options.routed_experts:
             # Row i is position i of prompt_ids + response_ids; each turn's rows follow
             # its parent's.

@@ -13,6 +13,7 @@ from proxy.exceptions import BadRequestError, ConflictError, NotFoundError
 from proxy.sessions.model import Session, SessionState, TrialId, TurnNode
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.store import LoadedState, SessionStore
+from proxy.sessions.teacher import TurnTeacher
 
 _TRIAL_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -89,6 +90,14 @@ class SessionRegistry:
         """Commit a turn just added to ``session``."""
         if self.store is not None:
             await self.store.save_turn(session, node)
+
+    async def save_teacher(self, session: Session, scores: dict[int, TurnTeacher]) -> None:
+        """Commit a teacher's logprobs of turns of ``session``, then keep them on the turns
+        (a commit that fails changes nothing)."""
+        if self.store is not None:
+            await self.store.save_teacher(session, scores)
+        for index, teacher in scores.items():
+            session.nodes[index].teacher = teacher
 
     async def remove(self, trial_id: str) -> Session:
         """``delete``, then remove the session from the store."""

@@ -12,7 +12,9 @@ sha256, in the transaction of the first turn whose prompt holds it; a turn row n
 images and their places. A turn's routing rows (a session that asked for them) are one
 BLOB of the C-order array as the engine sent it, beside a JSON head (their positions, the
 missing ranges, the versions), in the turn's own row and transaction. A turn row holds only what the turn added (its context
-and completion tokens); prefixes shared by branches are stored once, as in memory.
+and completion tokens); prefixes shared by branches are stored once, as in memory. A
+teacher's logprobs of a turn's sampled tokens (float32, with the teacher's name) are written
+into the turn's row once scored, every turn a teacher forcing scored in one transaction.
 
 Durability: WAL with ``synchronous=FULL`` survives a crash of the process and of the
 machine (SQLite docs, "Write-Ahead Logging" and "PRAGMA synchronous"). A turn's delivery, written
@@ -54,13 +56,14 @@ from proxy.sessions.model import (
 )
 from proxy.sessions.options import SessionOptions
 from proxy.sessions.routing import RoutingHead, TurnRouting
+from proxy.sessions.teacher import TurnTeacher
 
 __all__ = ["DB_NAME", "LoadedState", "SessionStore", "decode_array", "encode_array"]
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "relay.db"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # What each older schema version needs to become the next one.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE sessions ADD COLUMN options TEXT NOT NULL DEFAULT '{}'",),  # options
@@ -75,6 +78,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE sessions ADD COLUMN agent_rewards TEXT",
     ),
     5: ("ALTER TABLE sessions ADD COLUMN server_errors INTEGER NOT NULL DEFAULT 0",),
+    6: (  # a teacher's logprobs of a turn's sampled tokens (NULL: not scored)
+        "ALTER TABLE turns ADD COLUMN teacher_model TEXT",
+        "ALTER TABLE turns ADD COLUMN teacher_logprobs BLOB",
+    ),
 }
 # Writes waiting when a transaction starts that are committed with it.
 _GROUP_COMMIT = 512
@@ -116,6 +123,8 @@ CREATE TABLE IF NOT EXISTS turns (
     routing BLOB,
     routing_head TEXT,
     agent TEXT,
+    teacher_model TEXT,
+    teacher_logprobs BLOB,
     PRIMARY KEY (trial_id, idx)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS images (
@@ -204,6 +213,8 @@ def _turn_row(trial_id: str, n: TurnNode) -> tuple[Any, ...]:
         n.routing.data if n.routing is not None else None,
         _json(n.routing.head()) if n.routing is not None else None,
         None if n.agent == MAIN_AGENT else _json(n.agent),
+        n.teacher.model if n.teacher is not None else None,
+        encode_array(n.teacher.logprobs) if n.teacher is not None else None,
     )
 
 
@@ -271,7 +282,18 @@ def _turn_from(row: sqlite3.Row) -> TurnNode:
         agent=MAIN_AGENT
         if row["agent"] is None
         else msgspec.json.decode(row["agent"], type=TurnAgent),
+        teacher=_teacher_from(row),
     )
+
+
+def _teacher_from(row: sqlite3.Row) -> TurnTeacher | None:
+    model = row["teacher_model"]
+    if model is None:
+        return None
+    logprobs = decode_array("f", row["teacher_logprobs"] or b"")
+    if len(logprobs) != len(row["completion_ids"]) // 4:
+        raise ValueError(f"turn {row['idx']}: teacher logprobs do not match its tokens")
+    return TurnTeacher(model, logprobs)
 
 
 def _routing_from(row: sqlite3.Row) -> TurnRouting | None:
@@ -320,8 +342,8 @@ def _put_turn(
             db.executemany("INSERT OR IGNORE INTO images VALUES (?,?,?,?,?,?)", image_rows)
         db.execute(
             "INSERT INTO turns (trial_id, idx, parent, context_ids, completion_ids, logprobs,"
-            " prompt_len, key, meta, images, routing, routing_head, agent)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " prompt_len, key, meta, images, routing, routing_head, agent, teacher_model,"
+            " teacher_logprobs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             turn_row,
         )
 
@@ -348,6 +370,16 @@ def _put_meta(trial_id: str, index: int, meta: str) -> _Op:
         db.execute("UPDATE turns SET meta=? WHERE trial_id=? AND idx=?", (meta, trial_id, index))
 
     return _Light(op)
+
+
+def _put_teacher(rows: list[tuple[str, bytes, str, int]]) -> _Op:
+    def op(db: sqlite3.Connection) -> None:
+        db.executemany(
+            "UPDATE turns SET teacher_model=?, teacher_logprobs=? WHERE trial_id=? AND idx=?",
+            rows,
+        )
+
+    return op
 
 
 def _forget(trial_id: str, deleted_at: float, tombstones: int) -> _Op:
@@ -621,6 +653,17 @@ class SessionStore:
         """Rewrite a recorded turn's metadata (its delivery, after the turn was committed).
         It survives the process at once, a power loss from the next full commit on."""
         return self._submit(_put_meta(session.trial_id, node.index, _json(node.meta)))
+
+    def save_teacher(
+        self, session: Session, scores: dict[int, TurnTeacher]
+    ) -> asyncio.Future[None]:
+        """Write a teacher's logprobs into the rows of the turns it scored (by index), in
+        one transaction."""
+        rows = [
+            (teacher.model, encode_array(teacher.logprobs), str(session.trial_id), index)
+            for index, teacher in scores.items()
+        ]
+        return self._submit(_put_teacher(rows))
 
     def delete_session(
         self, trial_id: str, deleted_at: float | None = None

@@ -249,7 +249,10 @@ SESSION_ROUTES: list[tuple[str, str, str, Any, int]] = [
     ("list", "GET", "/sessions", None, 200),
     ("get", "GET", "/sessions/{trial}", None, 200),
     ("trajectories", "GET", "/sessions/{trial}/trajectories", None, 200),
+    ("tree", "GET", "/sessions/{trial}/tree", None, 200),
     ("complete", "POST", "/sessions/{trial}/complete", {"reward": 1.0}, 200),
+    # Past the credential check, no teacher of that name is served: 400.
+    ("teacher", "POST", "/sessions/{trial}/teacher", {"model": "none"}, 400),
     ("delete", "DELETE", "/sessions/{trial}", None, 200),
 ]
 

@@ -561,3 +561,92 @@ def test_routing_rows_need_protocol_5_on_both_sides() -> None:
     )
     assert isinstance(done, Done)
     assert done.routed_experts == RoutedExperts(2, 1, b"\x01\x02\x03\x04")
+
+
+def test_score_requests_need_protocol_6_on_both_sides() -> None:
+    """A proxy sends ``Score`` only to a worker welcomed in version 6, a worker of an older
+    version refuses one, and a current pair carries it with its images checked."""
+    from relay.protocol import (
+        SCORING_VERSION,
+        Hello,
+        ImageRef,
+        ProxyEndpoint,
+        Score,
+        Welcome,
+        WorkerEndpoint,
+        encode,
+        pack_ids,
+    )
+
+    ask = Score("s1", "teacher", pack_ids([1, 2, 3, 4]), 2)
+    old = ProxyEndpoint()
+    old.receive(encode(Hello(SCORING_VERSION - 1, "w", "", [])))
+    old.accept(10.0)
+    assert not old.scores
+    with pytest.raises(IllegalTransitionError, match="protocol 6"):
+        old.score(ask)
+    worker = WorkerEndpoint()
+    worker.receive(encode(Welcome(SCORING_VERSION - 1, 10.0)))
+    with pytest.raises(IllegalTransitionError, match="protocol 6"):
+        worker.receive(encode(ask))
+    proxy, current = _open_pair()
+    assert proxy.scores
+    received = current.receive(proxy.score(ask))
+    assert received == ask
+    assert proxy.in_flight == {"s1"}
+    assert current.in_flight == {"s1"}
+    with pytest.raises(IllegalTransitionError, match="not sent"):
+        proxy.score(Score("s2", "teacher", pack_ids([1, 2, 3]), 1, [ImageRef("ab" * 32, 0, 2)]))
+
+
+@pytest.mark.parametrize("start", [0, 4, -1])
+def test_a_score_request_names_ids_after_the_first(start: int) -> None:
+    """Scoring from the first id (it has no logprob) or past the last is a frame error on
+    either side."""
+    proxy, worker = _open_pair()
+    ask = protocol.Score("s1", "teacher", protocol.pack_ids([1, 2, 3, 4]), start)
+    with pytest.raises(FrameError, match="the first id has no logprob"):
+        proxy.score(ask)
+    with pytest.raises(FrameError, match="the first id has no logprob"):
+        worker.receive(protocol.encode(ask))
+
+
+def test_a_scored_done_ends_the_score_request() -> None:
+    """The worker's ``Done`` with ``SCORED`` and the scored ids ends a score request as a
+    reply's ``Done`` ends a generation."""
+    proxy, worker = _open_pair()
+    worker.receive(proxy.score(protocol.Score("s1", "t", protocol.pack_ids([5, 6, 7]), 1)))
+    done = protocol.Done(
+        "s1", protocol.SCORED, protocol.pack_ids([6, 7]), protocol.pack_logprobs([-1.0, -2.0])
+    )
+    back = proxy.receive(worker.finish(done))
+    assert back == done
+    assert proxy.in_flight == set()
+    assert worker.in_flight == set()
+
+
+def test_a_hello_without_the_teacher_flag_announces_a_policy() -> None:
+    """A model announced by a worker that predates teachers decodes as no teacher; a
+    teacher's flag decodes on a proxy that knows it."""
+
+    class OldInfo(msgspec.Struct, frozen=True):
+        name: str
+        max_model_len: int
+        logprobs_mode: str
+        backend: str
+        tokenizer_files: dict[str, bytes]
+
+    class OldHello(msgspec.Struct, frozen=True, tag="hello"):
+        protocol_version: int
+        worker_id: str
+        token: str
+        models: list[OldInfo]
+
+    old = msgspec.msgpack.encode(OldHello(5, "w", "", [OldInfo("tiny", 64, "raw", "hf", {})]))
+    hello = protocol.decode_worker_message(old)
+    assert isinstance(hello, protocol.Hello)
+    assert hello.models[0].teacher is False
+    info = protocol.ModelInfo("big", 64, "raw", "hf", {}, teacher=True)
+    new = protocol.decode_worker_message(protocol.encode(protocol.Hello(6, "w", "", [info])))
+    assert isinstance(new, protocol.Hello)
+    assert new.models[0].teacher is True

@@ -309,3 +309,18 @@ def test_freezing_moves_what_is_alive_out_of_later_collections() -> None:
         assert gc.get_freeze_count() >= before + len(kept)
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("backend", ["openai", "instant"])
+def test_teacher_is_off_by_default_and_refused_by_a_backend_that_cannot_score(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str
+) -> None:
+    """``worker --teacher`` marks the model a teacher; a backend whose engine cannot score
+    stops the worker before it starts, naming the backends that can."""
+    base = ["worker", "--proxy", "ws://127.0.0.1:9/", "--model", str(tmp_path)]
+    assert build_parser().parse_args(base).teacher is False
+    assert build_parser().parse_args([*base, "--teacher"]).teacher is True
+    assert main([*base, "--backend", backend, "--teacher"]) == 2
+    assert f"--teacher needs a backend that scores (hf, vllm), not {backend}" in (
+        capsys.readouterr().err
+    )

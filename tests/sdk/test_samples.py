@@ -401,3 +401,36 @@ def test_every_kept_sampled_token_is_trained_exactly_once(
                 trainable.update(sample.response_ids[start : min(end, len(sample.response_ids))])
     assert all(count <= 1 for count in trained.values())
     assert set(+trained) == trainable
+
+
+def _scored(traj: dict[str, Any]) -> dict[str, Any]:
+    """``traj`` scored by a teacher: -(i + 1) / 10 at sampled token i, 0.0 elsewhere."""
+    teacher = [-(i + 1) / 10 if m else 0.0 for i, m in enumerate(traj["response_mask"])]
+    return {**traj, "teacher_logprobs": teacher, "teacher_model": "big"}
+
+
+def test_samples_carry_the_teachers_logprobs_cut_as_the_response() -> None:
+    """A scored export's samples carry its teacher's logprobs and name, cut where the
+    response is cut (length limit, a turn the agent never received); an unscored one's
+    carry none."""
+    scored = {**EXPORT, "trajectories": [_scored(t) for t in EXPORT["trajectories"]]}
+    samples = build_samples(scored)
+    assert [s.teacher_logprobs for s in samples] == [
+        t["teacher_logprobs"] for t in scored["trajectories"]
+    ]
+    assert {s.teacher_model for s in samples} == {"big"}
+    (cut,) = build_samples(
+        {**scored, "trajectories": scored["trajectories"][1:2]}, max_response_tokens=2
+    )
+    assert cut.teacher_logprobs == [-0.1, -0.2]
+    undelivered = _scored(EXPORT["trajectories"][1])
+    undelivered["turns"] = [
+        *undelivered["turns"][:1],
+        {**undelivered["turns"][1], "delivered": False},
+    ]
+    (received,) = build_samples({**EXPORT, "trajectories": [undelivered]})
+    assert received.response_ids == [8, 7, 6]
+    assert received.teacher_logprobs == [-0.1, -0.2, -0.3]
+    assert all(
+        s.teacher_logprobs is None and s.teacher_model is None for s in build_samples(EXPORT)
+    )

@@ -4,14 +4,15 @@ and every reply carries the version it was sampled with."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from relay.protocol import PREEMPTED, PauseMode
 from worker_client.backends.instant import InstantEngine
-from worker_client.engine import FinishReason, SamplingParams, TokenChunk
-from worker_client.exceptions import WeightsError
+from worker_client.engine import FinishReason, ImageSpan, SamplingParams, TokenChunk
+from worker_client.exceptions import EngineError, WeightsError
 from worker_client.policy import (
     POLICY_VERSION,
     PolicyState,
@@ -271,3 +272,30 @@ async def test_a_second_update_is_refused_as_busy(tiny_model_dir: Path) -> None:
         await policy.pause("u2", PauseMode.WAIT)
     assert (policy.state, policy.update_id) == (UpdateState.PAUSED, "u1")
     await policy.rollback("u1")
+
+
+class _Scorer(InstantEngine):
+    """The instant engine with a teacher's forcing: -1.0 for every id scored."""
+
+    async def prompt_logprobs(
+        self, request_id: str, ids: Sequence[int], start: int, images: Sequence[ImageSpan] = ()
+    ) -> list[float]:
+        return [-1.0] * (len(ids) - start)
+
+
+async def test_scoring_waits_out_a_pause_and_needs_an_engine_that_scores(
+    tiny_model_dir: Path,
+) -> None:
+    """A score asked while paused runs once the engine serves again; an engine that cannot
+    score refuses it."""
+    engine = VersionedEngine(_Scorer.load(tiny_model_dir), version=1)
+    await engine.pause()
+    waiting = asyncio.create_task(engine.prompt_logprobs("s1", [1, 2, 3], 1))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    await engine.resume()
+    assert await waiting == [-1.0, -1.0]
+    assert engine.in_flight == 0
+    with pytest.raises(EngineError, match="cannot score"):
+        await _engine(tiny_model_dir).prompt_logprobs("s2", [1, 2, 3], 1)

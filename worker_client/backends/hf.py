@@ -23,6 +23,8 @@ directory. Design points:
   trainer wrote (``save_pretrained``) and checks that every parameter has the served
   model's name and shape; ``commit_weights`` copies it into the served model's parameters
   and drops the cached KV (computed with the old weights). Nothing restarts.
+* Scoring (a teacher, ``PromptScorer``): ``prompt_logprobs`` runs ``score``, the same
+  teacher forcing a fidelity check runs, on the engine's thread, under its lock.
 * Routing (a mixture-of-experts model: its card has the routers' ``RoutingShape``): a
   request asking ``routed_experts_from=k`` runs with forward hooks on every router
   (``worker_client.routing.RoutingCapture``), in prefill and every decode step, and its last
@@ -55,6 +57,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    check_scoring,
     id_list,
     placeholder_ids,
     refuse_routing,
@@ -634,6 +637,22 @@ class HFEngine:
         self._staged = None
 
     # ------------------------------------------------------------------ scoring
+
+    async def prompt_logprobs(
+        self,
+        request_id: str,
+        ids: Sequence[int],
+        start: int,
+        images: Sequence[ImageSpan] = (),
+    ) -> list[float]:
+        """Teacher forcing (``PromptScorer``): ``score`` of ``ids[start:]`` after
+        ``ids[:start]``, one prefill of ``ids``, run as a request (one at a time)."""
+        check_scoring(self._card, ids, start)
+        sequence = id_list(ids)
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.score, sequence[:start], sequence[start:], images
+            )
 
     def score(
         self,

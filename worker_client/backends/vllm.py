@@ -55,6 +55,9 @@ How our settings map onto vLLM (checked against vLLM 0.32.0):
   meaning nothing) is cut to the MoE layers, from ``k``, in the shape's dtype. A vLLM that
   returns rows from a later position than asked, or none for a request that ran, fails
   the request.
+* Scoring (a teacher, ``PromptScorer``): ``SamplingParams(prompt_logprobs=1,
+  max_tokens=1)``, the prompt token's own entry read at each position
+  (``vllm_scoring``); images placed as in a generation. Not run yet on the real engine.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from typing import Any
 
 from relay.protocol import RoutedExperts, RoutingShape
 from worker_client.backends.placeholders import check_expansion, collapse_images, decode_image
+from worker_client.backends.vllm_scoring import prompt_logprobs_from, scoring_params
 from worker_client.backends.vllm_worker import EXTENSION
 from worker_client.engine import (
     NEVER_SAMPLED_BIAS,
@@ -80,6 +84,7 @@ from worker_client.engine import (
     SamplingParams,
     TokenChunk,
     check_prompt,
+    check_scoring,
     id_list,
     placeholder_ids,
     refuse_routing,
@@ -471,6 +476,46 @@ class VLLMEngine(StagedPath):
         finally:
             await stream.aclose()
         raise EngineError(f"vLLM ended request {request_id} without a finish reason")
+
+    async def prompt_logprobs(
+        self,
+        request_id: str,
+        ids: Sequence[int],
+        start: int,
+        images: Sequence[ImageSpan] = (),
+    ) -> list[float]:
+        """Teacher forcing (``PromptScorer``): vLLM's prompt logprobs of ``ids``
+        (``worker_client.backends.vllm_scoring``), images placed as ``generate`` places
+        them."""
+        check_scoring(self._card, ids, start)
+        check_prompt(self._card, ids)  # the one token vLLM generates after them must fit
+        image_token = self._card.image_token_id
+        if images and image_token is None:
+            raise EngineError(f"model {self._card.name} (vllm backend) does not take images")
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        expanded = id_list(ids)
+        if images and image_token is not None:
+            prompt = await asyncio.to_thread(image_prompt, expanded, images, image_token)
+        else:
+            prompt = TokensPrompt(prompt_token_ids=expanded)
+        output = None
+        stream = self._llm.generate(prompt, scoring_params(vllm), request_id)
+        try:
+            async for final in stream:
+                output = final  # FINAL_ONLY: one output, with every prompt logprob
+        except Exception as exc:
+            raise EngineError(
+                f"vLLM failed request {request_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            await stream.aclose()
+        if output is None:
+            raise EngineError(f"vLLM ended request {request_id} without an output")
+        if images:
+            check_expansion("vLLM", expanded, output.prompt_token_ids)
+        return prompt_logprobs_from(output, expanded, start)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -259,7 +259,8 @@ async def list_models(request: web.Request) -> web.Response:
     request.app[SESSIONS].get(request.match_info["trial_id"])
     now = int(time.time())
     pool = request.app[POOL]
-    models = sorted(pool.served_models())
+    # A teacher is not offered: an agent that takes the first model listed must not get it.
+    models = sorted(name for name, info in pool.served_models().items() if not info.teacher)
     known = request.app[MODELS].models
     data = []
     for name in models:

@@ -6,8 +6,15 @@ from __future__ import annotations
 import sqlite3
 
 
+def drop_teacher(db: sqlite3.Connection) -> None:
+    """Back to version 6: turns without a teacher's logprobs."""
+    db.execute("ALTER TABLE turns DROP COLUMN teacher_model")
+    db.execute("ALTER TABLE turns DROP COLUMN teacher_logprobs")
+
+
 def drop_server_errors(db: sqlite3.Connection) -> None:
     """Back to version 5: sessions without their count of server errors."""
+    drop_teacher(db)
     db.execute("ALTER TABLE sessions DROP COLUMN server_errors")
 
 

@@ -161,7 +161,7 @@ async def test_a_version_3_store_gains_the_routing_columns(tmp_path: Path) -> No
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 6
+    assert int(version) == SCHEMA_VERSION == 7
     store = await SessionStore.open(tmp_path)
     sessions = {x.trial_id: x for x in (await store.load()).sessions}
     await store.close()

@@ -30,7 +30,13 @@ from proxy.sessions.store import (
     decode_array,
     encode_array,
 )
-from tests.proxy.sessions.layouts import drop_agents, drop_routing, drop_server_errors
+from proxy.sessions.teacher import TurnTeacher
+from tests.proxy.sessions.layouts import (
+    drop_agents,
+    drop_routing,
+    drop_server_errors,
+    drop_teacher,
+)
 
 
 def _meta(reason: str, **extra: str | int | float) -> TurnMeta:
@@ -300,7 +306,7 @@ async def test_a_version_1_store_is_migrated_in_place(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DB_NAME)
     (version,) = db.execute("SELECT value FROM relay_meta WHERE key='schema_version'").fetchone()
     db.close()
-    assert int(version) == SCHEMA_VERSION == 6
+    assert int(version) == SCHEMA_VERSION == 7
 
 
 async def test_version_spans_round_trip(tmp_path: Path) -> None:
@@ -470,3 +476,58 @@ async def test_a_version_5_store_gains_the_server_error_count(tmp_path: Path) ->
     store, (again,) = await _reopen(tmp_path)
     await store.close()
     assert again.server_errors == 3
+
+
+def _teacher_scores(s: Session, model: str) -> dict[int, TurnTeacher]:
+    """A score of ``model``'s for every turn of ``s`` that sampled (not round in decimal)."""
+    return {
+        n.index: TurnTeacher(
+            model, array("f", [-0.7 * (i + 1) / 3 for i in range(len(n.completion_ids))])
+        )
+        for n in s.nodes
+        if n.completion_ids
+    }
+
+
+async def test_a_teacher_s_logprobs_round_trip(tmp_path: Path) -> None:
+    """A teacher's logprobs written into scored turns reload bit-exactly with its name; a
+    turn scored anew by another teacher reloads with that one's; the export carries them."""
+    s = _tree()
+    store = await _stored(tmp_path, s)
+    scores = _teacher_scores(s, "big")
+    await store.save_teacher(s, scores)
+    await store.save_teacher(s, {1: TurnTeacher("other", array("f", [-3.0]))})
+    await store.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    await store.close()
+    first = loaded.nodes[0].teacher
+    assert first == scores[0]
+    assert first is not None
+    assert first.logprobs.tobytes() == scores[0].logprobs.tobytes()
+    assert loaded.nodes[1].teacher == TurnTeacher("other", array("f", [-3.0]))
+    assert loaded.nodes[3].teacher is None  # it sampled nothing
+    by_leaf = {t["turns"][-1]["turn"]: t for t in loaded.export()["trajectories"]}
+    assert by_leaf[2]["teacher_model"] == "big"
+    assert "teacher_model" not in by_leaf[4]  # two teachers on its path
+
+
+async def test_a_version_6_store_gains_teacher_columns(tmp_path: Path) -> None:
+    """A store written before teachers opens with no turn scored, and a teacher's
+    logprobs saved after reload as saved."""
+    s = _tree()
+    store = await _stored(tmp_path, s)
+    await store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    drop_teacher(db)
+    db.execute("UPDATE relay_meta SET value='6' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    store, (loaded,) = await _reopen(tmp_path)
+    assert all(n.teacher is None for n in loaded.nodes)
+    assert json.dumps(loaded.export()) == json.dumps(s.export())
+    scores = _teacher_scores(loaded, "big")
+    await store.save_teacher(loaded, scores)
+    await store.close()
+    store, (again,) = await _reopen(tmp_path)
+    await store.close()
+    assert {n.index: n.teacher for n in again.nodes if n.teacher} == scores
