@@ -616,14 +616,34 @@ def ensure_tiny_model(path: Path | None, say: Callable[[str], None] = print) -> 
     return DEFAULT_TINY_MODEL
 
 
+# How long the cleanup a third stop signal cuts gets to unwind before the process exits
+# without it (an engine closing in a thread is not interrupted by cancelling its await).
+CUT_SECONDS = 5.0
+
+
+class Stopped(Exception):
+    """A stop signal ended the command, once its cleanup was done."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal's number, as shells and Kubernetes read a signalled exit."""
+        return 128 + self.signum
+
+
 def _run_loop(
     main: Coroutine[Any, Any, T], kind: str = "asyncio", *, stop_on_signal: bool = True
-) -> T | None:
+) -> T:
     """Run ``main`` on the standard event loop or on uvloop's. With ``stop_on_signal``,
     SIGTERM or SIGINT cancels it, so that its own ``finally`` blocks close what it opened
-    (the proxy, the worker's engine), and None is returned. The handlers are installed
-    whatever the process inherited: a process started from a non-interactive shell has
-    SIGINT ignored, and nothing else would stop it short of SIGKILL."""
+    (the proxy, the worker's engine), and ``Stopped`` is raised once they are done. A
+    second signal does not cut that cleanup; a third does, and the process exits at most
+    ``CUT_SECONDS`` later (see ``_until_signalled``). The handlers are installed whatever
+    the process inherited: a process started from a non-interactive shell has SIGINT
+    ignored, and nothing else would stop it short of SIGKILL."""
     factory = None
     if kind == "uvloop":
         try:
@@ -635,30 +655,63 @@ def _run_loop(
         return runner.run(_until_signalled(main) if stop_on_signal else main)
 
 
-async def _until_signalled(main: Coroutine[Any, Any, T]) -> T | None:
+async def _until_signalled(main: Coroutine[Any, Any, T]) -> T:
+    """Await ``main``; the first stop signal cancels it, and ``Stopped`` is raised when it
+    has unwound. A second signal only says that the cleanup goes on: cancelling again would
+    cut the ``finally`` that closes the engine. A third cancels the cleanup too, and ends
+    the process ``CUT_SECONDS`` later if it has not ended by then (a thread closing an
+    engine, or the loop's shutdown waiting for it, can outlast any cancel)."""
     task = asyncio.ensure_future(main)
     loop = asyncio.get_running_loop()
     received: list[int] = []
 
+    def exit_now() -> None:
+        print(
+            f"rollout-relay: the cleanup did not end within {CUT_SECONDS:g}s of the third "
+            "signal: exiting without it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(128 + received[0])
+
     def stop(signum: int) -> None:
-        if not received:
-            logging.getLogger("rollout_relay").info(
-                "%s received: stopping", signal.Signals(signum).name
-            )
         received.append(signum)
-        task.cancel()
+        name = signal.Signals(signum).name
+        if len(received) == 1:
+            logging.getLogger("rollout_relay").info("%s received: stopping", name)
+            task.cancel()
+        elif len(received) == 2:
+            print(
+                f"rollout-relay: {name} again: still closing what the command opened; "
+                "a third signal cuts that short",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif len(received) == 3:
+            print(
+                f"rollout-relay: {name} a third time: cutting the cleanup short; exiting "
+                f"within {CUT_SECONDS:g}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            task.cancel()
+            loop.call_later(CUT_SECONDS, exit_now)
 
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop, signum)
     try:
-        return await task
+        result = await task
     except asyncio.CancelledError:
-        if received:
-            return None
-        raise
+        if not received:
+            raise
+    else:
+        if not received:
+            return result
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
+    raise Stopped(received[0])
 
 
 def _freeze_alive() -> None:
@@ -838,20 +891,20 @@ def _demo(args: argparse.Namespace) -> int:
     )
     model = ensure_tiny_model(args.model, say)
     say(f"[1/5] model: {model}")
-    result = _run_loop(
-        run_demo(
-            _config(args, None),
-            model,
-            turns=args.turns,
-            seed=args.seed,
-            keep=args.keep,
-            say=say,
+    try:
+        return _run_loop(
+            run_demo(
+                _config(args, None),
+                model,
+                turns=args.turns,
+                seed=args.seed,
+                keep=args.keep,
+                say=say,
+            )
         )
-    )
-    if result is None:
+    except Stopped:
         say("stopped")
-        return 0
-    return result
+        raise
 
 
 def _console(title: str, name: str, whose: str, *, verbose: bool) -> Callable[[str], None]:
@@ -1125,6 +1178,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
     except KeyboardInterrupt:
         return 130
+    except Stopped as stopped:
+        return stopped.exit_status
     except ConfigurationError as exc:
         print(f"rollout-relay: {exc.message}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import contextlib
 import secrets
 import signal
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -84,12 +85,32 @@ def _serve_hf(loop: BackgroundLoop, model_dir: Path, say: Say) -> Iterator[Servi
 def _sigterm_exits() -> Iterator[None]:
     """SIGTERM ends this process through its ``finally`` blocks (exit status 143), as
     Ctrl-C does, instead of at once: the worker process runs in a session of its own and
-    would outlive a trainer that never stopped it."""
+    would outlive a trainer that never stopped it. A second SIGTERM does not cut those
+    blocks short (it would interrupt stopping the worker); it is only acknowledged on
+    stderr. A third raises again: ``WorkerProcess.stop`` still kills the worker's group."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    received = 0
 
     def exit_now(signum: int, frame: object) -> None:
+        nonlocal received
+        received += 1
+        if received == 2:
+            print(
+                "rollout-relay train: SIGTERM again: still stopping the worker and the "
+                "proxy; a third SIGTERM cuts that short",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if received > 2:
+            print(
+                "rollout-relay train: SIGTERM a third time: cutting the cleanup short "
+                "(the worker's processes are killed)",
+                file=sys.stderr,
+                flush=True,
+            )
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, exit_now)
@@ -123,7 +144,7 @@ def _serve_vllm(
     finally:
         try:
             if worker is not None:
-                exited = worker.process.poll()
+                exited = worker.exit_status()
                 clean = worker.stop()
                 if exited is not None:
                     say(f"the vllm worker had exited (status {exited}); see its log")

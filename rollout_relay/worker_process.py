@@ -68,11 +68,22 @@ def vllm_worker_env(python: Path, token: str) -> dict[str, str]:
 
 @dataclass(slots=True)
 class WorkerProcess:
-    """A worker process started by ``start``; ``stop`` leaves none of its processes."""
+    """A worker process started by ``start``; ``stop`` leaves none of its processes.
+
+    Nothing here reaps the worker before ``stop`` has dealt with its process group: the
+    group's id is the worker's pid, and only while the worker is unreaped (running, or a
+    zombie) is that id sure not to name another process's group. So ``exit_status`` looks
+    without reaping; whoever else reaps ``process`` (``poll``, ``wait``) leaves ``stop``
+    unable to signal the group."""
 
     process: subprocess.Popen[bytes]
     log_path: Path
     started: float = field(default_factory=time.monotonic)
+    # Its own session: the group id is its pid, kept from the start.
+    group: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group = self.process.pid
 
     @classmethod
     def start(cls, command: list[str], env: dict[str, str], log_path: Path) -> WorkerProcess:
@@ -89,18 +100,36 @@ class WorkerProcess:
         return cls(process, log_path)
 
     def __repr__(self) -> str:
-        state = "running" if self.process.poll() is None else f"exited {self.process.returncode}"
+        status = self.exit_status()
+        state = "running" if status is None else f"exited {status}"
         return f"<WorkerProcess pid={self.process.pid} {state}>"
+
+    def exit_status(self) -> int | None:
+        """The worker's exit status as ``Popen.returncode`` gives it (negative: the signal
+        that ended it), None while it runs; without reaping it, so that its pid, and with
+        it the group id, stays this worker's until ``stop``."""
+        if self.process.returncode is not None:
+            return self.process.returncode
+        try:
+            state = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped by someone else: its status is lost
+            return self.process.poll()
+        if state is None or state.si_pid == 0:
+            return None
+        if state.si_code == os.CLD_EXITED:
+            return state.si_status
+        return -state.si_status
 
     async def joined(self, proxy: RunningProxy, within_seconds: float) -> float:
         """Wait until a worker is in the proxy's pool; the seconds since the start.
         Raises ``WorkerProcessError`` when the process exits or the time runs out."""
         deadline = time.monotonic() + within_seconds
         while not proxy.app[POOL].workers:
-            if self.process.poll() is not None:
+            status = self.exit_status()
+            if status is not None:
                 raise WorkerProcessError(
-                    f"the worker process exited ({self.process.returncode}) before it "
-                    f"joined; its log: {self.log_path}"
+                    f"the worker process exited ({status}) before it joined; its log: "
+                    f"{self.log_path}"
                 )
             if time.monotonic() > deadline:
                 raise WorkerProcessError(
@@ -112,31 +141,47 @@ class WorkerProcess:
 
     def stop(self, grace_seconds: float = 60.0) -> bool:
         """SIGTERM, then wait up to ``grace_seconds`` for the worker to close its engine
-        and exit; whatever of its session is still alive then is killed. True when
-        nothing had to be killed."""
-        group = self.process.pid  # its own session: the group id is its pid
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_seconds)
-            except subprocess.TimeoutExpired:
-                pass
-        clean = self.process.poll() is not None
-        # The engine core exits when the worker closes it; give it the rest of the grace.
-        deadline = time.monotonic() + (grace_seconds if clean else 0.0)
-        while group_alive(group) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if group_alive(group):
-            clean = False
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-            # SIGKILL is delivered, not yet acted on, when killpg returns: a member can
-            # still be running for a moment (longer on a busy machine).
-            deadline = time.monotonic() + KILL_SETTLE_SECONDS
-            while group_alive(group) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        self.process.wait()
+        and exit; whatever of its session is still alive then is killed, also when an
+        exception (a second signal to this process) cuts the wait short. True when nothing
+        had to be killed; False too when the worker had been reaped by someone else before:
+        its group id may name another group by then, so no group is signalled."""
+        if self.process.returncode is not None:
+            return False
+        clean = False
+        try:
+            clean = self._terminate(grace_seconds)
+        finally:
+            # The worker is unreaped until the wait below, so the group is still its own.
+            if group_alive(self.group):
+                clean = False
+                self._kill_group()
+            self.process.wait()
         return clean
+
+    def _terminate(self, grace_seconds: float) -> bool:
+        """SIGTERM and wait; whether the worker and its whole group were gone in time."""
+        deadline = time.monotonic() + grace_seconds
+        if self.exit_status() is None:
+            # Not ``process.send_signal``: it reaps a worker that has exited.
+            os.kill(self.process.pid, signal.SIGTERM)
+            while self.exit_status() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self.exit_status() is None:
+            return False
+        # The engine core exits when the worker closes it; give it the grace again.
+        deadline = time.monotonic() + grace_seconds
+        while group_alive(self.group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not group_alive(self.group)
+
+    def _kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.group, signal.SIGKILL)
+        # SIGKILL is delivered, not yet acted on, when killpg returns: a member can
+        # still be running for a moment (longer on a busy machine).
+        deadline = time.monotonic() + KILL_SETTLE_SECONDS
+        while group_alive(self.group) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def group_alive(group: int) -> bool:

@@ -58,8 +58,9 @@ def test_demo_tells_the_episode_and_passes_the_fidelity_check(tiny_model_dir: Pa
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_demo_keep_leaves_the_viewer_up(tiny_model_dir: Path, signum: signal.Signals) -> None:
     """With --keep the demo ends by printing the viewer's URL and stays up: the page and
-    the episode's data are there until Ctrl-C or SIGTERM, which stop it cleanly, even
-    when it was started as a background job is (SIGINT ignored)."""
+    the episode's data are there until Ctrl-C or SIGTERM, which stop it cleanly (exit
+    128 + the signal's number), even when it was started as a background job is (SIGINT
+    ignored)."""
     process = subprocess.Popen(
         _demo(tiny_model_dir, "--keep"),
         stdout=subprocess.PIPE,
@@ -74,7 +75,7 @@ def test_demo_keep_leaves_the_viewer_up(tiny_model_dir: Path, signum: signal.Sig
             assert "viewer.js" in page.read().decode()
         with urllib.request.urlopen(f"{base}/ui/api/sessions/{trial}", timeout=10) as data:
             assert len(json.load(data)["turns"]) >= 3
-        assert stop(process, signum) == 0
+        assert stop(process, signum) == 128 + signum
         assert process.stdout.read().strip() == "stopped"
     finally:
         reap(process)
