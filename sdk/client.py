@@ -371,18 +371,10 @@ class ProxyClient(HttpClient):
                 if time.monotonic() >= deadline:  # partial, and no time left to ask again
                     return {**result, "scored_tokens": scored}
                 pause = 0.0  # partial: its figures are in; ask for the rest at once
-            except ProxyRequestError as exc:
-                if not exc.should_retry:
-                    raise
-                pause = exc.retry_after if exc.retry_after is not None else 1.0
-                if time.monotonic() + pause >= deadline:
-                    raise
-            except ProxyConnectionError:
-                # The call dropped or ran past its time; the proxy scores on, and asking
+            except (ProxyRequestError, ProxyConnectionError) as exc:
+                # A dropped call, or one past its time: the proxy scores on, and asking
                 # again waits for it, then scores what is left.
-                pause = min(0.5 * 2**attempt, 8.0)
-                if time.monotonic() + pause >= deadline:
-                    raise
+                pause = _retry_pause(exc, attempt, deadline)
             attempt += 1
             await asyncio.sleep(pause)
 
@@ -432,18 +424,10 @@ class ProxyClient(HttpClient):
                     "POST", "/weights", payload, total_seconds=max(remaining, 1.0)
                 )
                 return result
-            except ProxyRequestError as exc:
-                if not exc.should_retry:
-                    raise
-                pause = exc.retry_after if exc.retry_after is not None else 1.0
-                if time.monotonic() + pause >= deadline:
-                    raise
-            except ProxyConnectionError:
-                # The connection dropped or was refused (a load balancer, a restarting
-                # proxy); the update goes on and asking again joins it.
-                pause = min(0.5 * 2**attempt, 8.0)
-                if time.monotonic() + pause >= deadline:
-                    raise
+            except (ProxyRequestError, ProxyConnectionError) as exc:
+                # A connection dropped or refused (a load balancer, a restarting proxy):
+                # the update goes on and asking again joins it.
+                pause = _retry_pause(exc, attempt, deadline)
             attempt += 1
             await asyncio.sleep(pause)
 
@@ -459,3 +443,21 @@ class ProxyClient(HttpClient):
         with _no_answer("GET", url):
             async with self._session().get(url, ssl=self._ssl) as response:
                 return response.status == 200
+
+
+def _retry_pause(
+    exc: ProxyRequestError | ProxyConnectionError, attempt: int, deadline: float
+) -> float:
+    """How long to wait before asking the proxy again for an operation that goes on
+    whoever waits for it (a weight update, a teacher's scoring): its ``Retry-After``, or
+    a backoff after a dropped connection. Re-raises ``exc`` when it is a refusal, or when
+    the pause would end past ``deadline``."""
+    if isinstance(exc, ProxyRequestError):
+        if not exc.should_retry:
+            raise exc
+        pause = exc.retry_after if exc.retry_after is not None else 1.0
+    else:
+        pause = min(0.5 * 2**attempt, 8.0)
+    if time.monotonic() + pause >= deadline:
+        raise exc
+    return pause

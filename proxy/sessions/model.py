@@ -456,7 +456,7 @@ class Session:
         if placed:
             # Spans index prompt_ids + response_ids: a prompt's positions are the same in
             # every turn of the path.
-            out["multi_modal_data"] = {"images": [self._image_entry(i) for i in placed]}
+            out["multi_modal_data"] = {"images": [self.image_entry(i) for i in placed]}
         teacher = export_teacher(path)
         if teacher is not None:  # aligned with response_ids, 0.0 where the mask is 0
             out["teacher_model"], out["teacher_logprobs"] = teacher
@@ -471,7 +471,9 @@ class Session:
             )
         return out
 
-    def _image_entry(self, placed: PlacedImage) -> dict[str, Any]:
+    def image_entry(self, placed: PlacedImage) -> dict[str, Any]:
+        """An image of the session as the export names it (``span`` in positions of a
+        trajectory's ``prompt_ids + response_ids``)."""
         image = self.images[placed.sha256]
         return {
             "sha256": placed.sha256,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.sessions.model import PlacedImage, Session, TurnNode, node_versions
+from proxy.sessions.model import Session, TurnNode, node_versions
 
 __all__ = ["node_teacher", "session_tree", "tree_node"]
 
@@ -68,7 +68,7 @@ def tree_node(session: Session, node: TurnNode) -> dict[str, Any]:
         # What sdk.samples needs to cut a path before a turn the agent never received.
         "delivered": node.meta.delivered,
         "retry_of": node.meta.retry_of,
-        "images": [_image(session, placed) for placed in node.images],
+        "images": [session.image_entry(placed) for placed in node.images],
     }
     teacher = node_teacher(node)
     if teacher is not None:
@@ -85,16 +85,3 @@ def node_teacher(node: TurnNode) -> tuple[str, list[float]] | None:
     if node.teacher is None:
         return None
     return node.teacher.model, [0.0] * len(node.context_ids) + node.teacher.logprobs.tolist()
-
-
-def _image(session: Session, placed: PlacedImage) -> dict[str, Any]:
-    """An image of the node's context as the export names it (``span`` in positions of the
-    trajectory's ``prompt_ids + response_ids``)."""
-    image = session.images[placed.sha256]
-    return {
-        "sha256": placed.sha256,
-        "mime": image.media_type.value,
-        "width": image.width,
-        "height": image.height,
-        "span": [placed.start, placed.end],
-    }
