@@ -112,12 +112,15 @@ def _first_message(messages: Sequence[ChatMessage]) -> str | None:
 
 
 def _results(messages: Sequence[ChatMessage], spawns: Spawns) -> tuple[SpawnResult, ...]:
+    """The spawn results the request carries that say something new: an agent's history
+    sends every earlier result again, and the turn that first brought one recorded it."""
     ids = {call.tool_call_id for call in spawns.calls}
+    known = {(call_id, agent) for (_, call_id), agent in spawns.taken.items()}
     out: list[SpawnResult] = []
     for message in messages:
         if message.role == "tool" and message.tool_call_id in ids:
             agent = spawned_agent(message.content)
-            if agent is not None:
+            if agent is not None and (message.tool_call_id, agent) not in known:
                 out.append(SpawnResult(message.tool_call_id, agent))
     return tuple(out)
 

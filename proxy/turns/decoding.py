@@ -88,6 +88,17 @@ class Decoding:
         last.extend(_parsed_events(events, self.calls, self.on_call))
         return last, parsed
 
+    def reply_calls(self, parsed: ParsedOutput) -> tuple[ToolCall, ...]:
+        """The reply's tool calls: those the agent was already sent keep their ids (a
+        stream's, or a replay's as decoded), the rest get one now."""
+        calls: list[ToolCall] = []
+        for i, c in enumerate(parsed.tool_calls):
+            sent = i < len(self.calls)
+            calls.append(
+                self.calls[i] if sent else ToolCall(call_id(c, calls), c.name, c.arguments)
+            )
+        return tuple(calls)
+
 
 def _parser(prepared: PreparedTurn) -> ToolCallStream:
     parser = prepared.served.renderer.parser

@@ -31,7 +31,7 @@ from proxy.models import ModelRegistry, ServedModel
 from proxy.sessions.model import PlacedImage, Session, TurnNode
 from proxy.sessions.options import CapFinish
 from proxy.turns.attempt import PreparedTurn
-from proxy.turns.decoding import Decoding, call_id
+from proxy.turns.decoding import Decoding
 from proxy.turns.request import TurnDone, TurnEvent, TurnResult
 from relay.exceptions import (
     NoWorkerAvailableError,
@@ -202,11 +202,7 @@ async def replay(prepared: PreparedTurn, node: TurnNode) -> AsyncGenerator[TurnE
     decoding = Decoding(prepared)
     events = decoding.feed_ids(node.completion_ids, node.logprobs)
     last, parsed = decoding.finish()
-    streamed = decoding.calls
-    calls = tuple(
-        streamed[i] if i < len(streamed) else ToolCall(call_id(c, streamed), c.name, c.arguments)
-        for i, c in enumerate(parsed.tool_calls)
-    )
+    calls = decoding.reply_calls(parsed)
     meta = node.meta
     stop_cap = meta.capped and prepared.session.options.cap_finish is CapFinish.STOP
     result = TurnResult(

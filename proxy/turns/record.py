@@ -32,7 +32,7 @@ from proxy.sessions.routing import TurnRouting, turn_routing
 from proxy.sessions.store import SessionStore
 from proxy.toolcalls import ParsedOutput
 from proxy.turns.attempt import PreparedTurn
-from proxy.turns.decoding import Decoding, call_id, splitter_for
+from proxy.turns.decoding import Decoding, splitter_for
 from proxy.turns.request import TurnResult
 from relay.pool import FinishedEvent
 
@@ -79,17 +79,9 @@ class Recorder:
         if parsed is None:
             reasoning, answer = split_whole(splitter_for(prepared), renderer.completion_text(ids))
             parsed = renderer.parse(answer, prepared.request.tools)
-        # Tool calls keep the ids the agent already saw (streamed); malformed output has none.
-        calls: list[ToolCall] = []
-        for i, c in enumerate(parsed.tool_calls):
-            streamed = decoding.calls
-            calls.append(
-                streamed[i]
-                if i < len(streamed)
-                else ToolCall(call_id(c, calls), c.name, c.arguments)
-            )
+        calls = decoding.reply_calls(parsed)  # malformed output has none
         stop = decoding.stopper.hit if not truncated else None
-        node = _node(prepared, ids, decoding.logprobs, finished, parsed, tuple(calls), stop)
+        node = _node(prepared, ids, decoding.logprobs, finished, parsed, calls, stop)
         if session.state is SessionState.ACTIVE:
             for placed in prepared.plan.images:  # an image is kept with the first turn using it
                 if placed.sha256 not in session.images:
@@ -101,7 +93,7 @@ class Recorder:
             node=node,
             model=prepared.served.name,
             content=parsed.content,
-            tool_calls=tuple(calls),
+            tool_calls=calls,
             # What the agent is told; the record keeps "length" (session cap_finish).
             finish_reason="stop" if capped else node.meta.finish_reason,
             prompt_tokens=node.prompt_len,

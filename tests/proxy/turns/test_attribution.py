@@ -182,8 +182,8 @@ def test_a_first_request_in_flight_holds_its_call_until_it_is_recorded_or_fails(
 
 
 def test_a_spawn_result_links_the_call_to_the_agent_it_names() -> None:
-    """Codex's spawn_agent returns the new thread's id: a request that carries that result
-    links the call to that agent, whatever the content matched before."""
+    """Codex's spawn_agent returns the new thread's id: the request that first carries
+    that result links the call to that agent, whatever the content matched before."""
     s = Session(TrialId("t"), "k")
     call = ToolCall("c1", "multi_agent_v1__spawn_agent", json.dumps({"message": "Look"}))
     other = ToolCall("c2", "multi_agent_v1__spawn_agent", json.dumps({"items": [{"text": "Look"}]}))
@@ -200,6 +200,9 @@ def test_a_spawn_result_links_the_call_to_the_agent_it_names() -> None:
     _add(s, 0, b"m1", main)
     thread = _attribute(s, AgentClaim("T1", "T0", "subagent", True), None, _user("Look"))
     assert thread.spawned_by == SpawnedBy(0, "c2")
+    # The next request sends the same results again: nothing new to record.
+    again = [*history, ChatMessage("assistant", "Both started."), *_user("Go on")[1:]]
+    assert _attribute(s, AgentClaim("main", None, None), 1, again).results == ()
 
 
 def test_a_turns_kind_is_its_own() -> None:
